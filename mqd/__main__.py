@@ -1,0 +1,5 @@
+import sys
+
+from mqd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,170 @@
+"""The `mqd` command line: serve, check-config, backends, stats, version."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from mqd import __version__
+from mqd import backend as backends
+from mqd import config as configuration
+from mqd.errors import MqdError
+
+QUEUE_FIELDS = ("items", "bytes", "open", "enqueued", "dequeued", "expired", "age_ms")
+
+config_option = click.option(
+    "--config",
+    "-c",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="MQD_CONFIG",
+    help="TOML config file (see etc/mqd.toml).",
+)
+
+
+def _load(config_path: Path | None, **overrides: Any) -> configuration.Config:
+    try:
+        return configuration.load(config_path, **overrides)
+    except MqdError as error:
+        raise click.ClickException(str(error)) from None
+
+
+@click.group(context_settings={"auto_envvar_prefix": "MQD", "help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="mqd")
+def main() -> None:
+    """mqd: a message-queue daemon that speaks the memcached text protocol."""
+
+
+@main.command()
+@config_option
+@click.option("--listen", envvar="MQD_LISTEN", help="Address to listen on.  [default: 127.0.0.1]")
+@click.option("--port", type=int, envvar="MQD_PORT", help="TCP port.  [default: 22133]")
+@click.option("--backend", envvar="MQD_BACKEND", help="Storage backend by name (see `mqd backends`).")
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="MQD_DATA_DIR",
+    help="Directory for the backend's files.  [default: data]",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(configuration.LOG_LEVELS),
+    envvar="MQD_LOG_LEVEL",
+    help="Logging level.  [default: info]",
+)
+@click.option(
+    "--loop",
+    type=click.Choice(configuration.LOOPS),
+    envvar="MQD_LOOP",
+    help="Event loop; auto uses uvloop when installed.  [default: auto]",
+)
+def serve(config_path: Path | None, **flags: Any) -> None:
+    """Run the daemon in the foreground until SIGTERM."""
+    from mqd import server
+
+    cfg = _load(config_path, **flags)
+    logging.basicConfig(
+        level=cfg.log_level_number,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        backend_class = backends.load(cfg.backend)
+        storage = backend_class(cfg.storage_options())
+        server.run(cfg, storage, reload=lambda: configuration.load(config_path, **flags))
+    except MqdError as error:
+        raise click.ClickException(str(error)) from None
+    except OSError as error:
+        raise click.ClickException(f"cannot serve on {cfg.listen}:{cfg.port}: {error}") from None
+
+
+@main.command("check-config")
+@config_option
+def check_config(config_path: Path | None) -> None:
+    """Validate a config file and the backend it names; exit non-zero if bad."""
+    cfg = _load(config_path)
+    try:
+        backend_class = backends.load(cfg.backend)
+    except MqdError as error:
+        raise click.ClickException(str(error)) from None
+    caps = ", ".join(sorted(c.value for c in backend_class.capabilities))
+    click.echo(f"{cfg.path or 'defaults'}: OK")
+    click.echo(f"listen {cfg.listen}:{cfg.port}, backend {cfg.backend} ({caps}), data {cfg.data_dir}")
+    for pattern, values in cfg.queues:
+        settings = ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in values.items())
+        click.echo(f'queues."{pattern}": {settings}')
+
+
+@main.command("backends")
+def list_backends() -> None:
+    """List the installed storage backends and their capabilities."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("name", "distribution", "version", "capabilities")
+    for name, point in sorted(backends.available().items()):
+        dist = point.dist
+        try:
+            caps = ", ".join(sorted(c.value for c in backends.load(name).capabilities))
+        except MqdError as error:
+            caps = f"[red]{error}[/red]"
+        table.add_row(name, dist.name if dist else "?", dist.version if dist else "?", caps)
+    Console().print(table)
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Daemon address.")
+@click.option("--port", default=22133, show_default=True, help="Daemon port.")
+def stats(host: str, port: int) -> None:
+    """Show a running daemon's counters and queues as tables."""
+    from pymemcache.client.base import Client
+    from rich.console import Console
+    from rich.table import Table
+
+    try:
+        client = Client((host, port), connect_timeout=5, timeout=5)
+        raw = client.stats()
+        client.close()
+    except (OSError, Exception) as error:
+        raise click.ClickException(f"cannot read stats from {host}:{port}: {error}") from None
+    values = {_text(k): _text(v) for k, v in raw.items()}
+    general = Table("stat", "value", title=f"mqd at {host}:{port}")
+    queues: dict[str, dict[str, str]] = {}
+    for key, value in values.items():
+        field = _queue_field(key)
+        if field is None:
+            general.add_row(key, value)
+        else:
+            queues.setdefault(key[len("queue_") : -len(field) - 1], {})[field] = value
+    per_queue = Table("queue", *QUEUE_FIELDS, title="queues")
+    for name in sorted(queues):
+        per_queue.add_row(name, *(queues[name].get(f, "") for f in QUEUE_FIELDS))
+    console = Console()
+    console.print(general)
+    console.print(per_queue)
+
+
+def _queue_field(key: str) -> str | None:
+    if not key.startswith("queue_"):
+        return None
+    return next((f for f in QUEUE_FIELDS if key.endswith("_" + f)), None)
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+@main.command()
+def version() -> None:
+    """Print mqd's version."""
+    click.echo(f"mqd {__version__}")
+
+
+if __name__ == "__main__":
+    main()

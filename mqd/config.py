@@ -1,0 +1,269 @@
+"""Configuration as plain data, built in layers: defaults, the TOML file, flags.
+
+Every key is documented in etc/mqd.toml. A bad file or value raises
+ConfigError with one line naming the file, the key, the bad value and what is
+allowed; `mqd serve` and `mqd check-config` print it and exit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mqd.backend import StorageOptions, Sync
+from mqd.errors import ConfigError
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+OVERFLOW = ("reject", "drop_oldest")
+LOOPS = ("asyncio", "uvloop", "auto")
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """Per-queue behaviour, from the `[queues."<glob>"]` tables that match its name."""
+
+    max_items: int = 0  # 0: unlimited
+    max_bytes: int = 0  # 0: unlimited; body bytes, open messages included
+    max_item_size: int = 1 << 20
+    overflow: str = "reject"
+    unique: bool = False
+    visibility_timeout: float = 60.0  # seconds; 0: an open message never times out
+    max_deliveries: int = 0  # 0: unlimited
+    dead_letter: str = ""  # "": "<queue>_dead"
+    sync: Sync = Sync.ALWAYS
+
+    def dead_letter_for(self, queue: str) -> str:
+        return self.dead_letter or f"{queue}_dead"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything `mqd serve` needs, after every layer has been applied."""
+
+    path: Path | None = None
+    # [server]
+    listen: str = "127.0.0.1"
+    port: int = 22133
+    max_connections: int = 4096
+    idle_timeout: float = 0.0  # seconds; 0: never
+    max_wait: float = 30.0  # cap on a get's /t= wait, seconds
+    allow_flush_all: bool = True
+    allow_shutdown: bool = False
+    log_level: str = "info"
+    loop: str = "auto"
+    shutdown_timeout: float = 10.0
+    # [storage]
+    backend: str = "memory"
+    data_dir: Path = Path("data")
+    sync_interval_ms: int = 1000
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    # [queues."<glob>"], in file order; later matches override earlier ones
+    queues: tuple[tuple[str, dict[str, Any]], ...] = ()
+
+    def queue_settings(self, queue: str) -> QueueSettings:
+        """The settings of `queue`: defaults overlaid by every matching table in order."""
+        overrides: dict[str, Any] = {}
+        for pattern, values in self.queues:
+            if fnmatch.fnmatchcase(queue, pattern):
+                overrides.update(values)
+        return dataclasses.replace(_QUEUE_DEFAULTS, **overrides) if overrides else _QUEUE_DEFAULTS
+
+    @property
+    def max_item_size(self) -> int:
+        """The largest value any queue accepts: the parser buffers no more than this."""
+        sizes = [v["max_item_size"] for _, v in self.queues if "max_item_size" in v]
+        return max([_QUEUE_DEFAULTS.max_item_size, *sizes])
+
+    def storage_options(self) -> StorageOptions:
+        return StorageOptions(
+            data_dir=self.data_dir,
+            sync_interval_ms=self.sync_interval_ms,
+            extra=self.backend_options,
+        )
+
+    @property
+    def log_level_number(self) -> int:
+        return int(getattr(logging, self.log_level.upper()))
+
+
+_QUEUE_DEFAULTS = QueueSettings()
+
+
+# -- validation ---------------------------------------------------------------
+
+
+class _Checker:
+    """Reads typed values out of a TOML table, naming file and key in every error."""
+
+    def __init__(self, path: Path | None, table: dict[str, Any], prefix: str) -> None:
+        self.path = path
+        self.table = dict(table)
+        self.prefix = prefix
+
+    def fail(self, key: str, value: object, allowed: str) -> ConfigError:
+        where = f"{self.path}: " if self.path else ""
+        return ConfigError(f"{where}{self.prefix}{key} = {value!r}: {allowed}")
+
+    def take(self, key: str, kind: type | tuple[type, ...], allowed: str) -> Any:
+        value = self.table.pop(key)
+        # bool is an int in Python, but `port = true` is a mistake.
+        if isinstance(value, bool) and bool not in _as_tuple(kind):
+            raise self.fail(key, value, allowed)
+        if not isinstance(value, kind):
+            raise self.fail(key, value, allowed)
+        return value
+
+    def integer(self, key: str, low: int = 0, high: int = 2**63) -> int:
+        allowed = f"must be a whole number from {low} to {high}"
+        value = self.take(key, int, allowed)
+        if not low <= value <= high:
+            raise self.fail(key, value, allowed)
+        return int(value)
+
+    def number(self, key: str, low: float = 0.0) -> float:
+        allowed = f"must be a number of at least {low}"
+        value = self.take(key, (int, float), allowed)
+        if value < low:
+            raise self.fail(key, value, allowed)
+        return float(value)
+
+    def boolean(self, key: str) -> bool:
+        return bool(self.take(key, bool, "must be true or false"))
+
+    def string(self, key: str) -> str:
+        return str(self.take(key, str, "must be a string"))
+
+    def choice(self, key: str, choices: tuple[str, ...]) -> str:
+        allowed = "must be one of " + ", ".join(f'"{c}"' for c in choices)
+        value = self.take(key, str, allowed)
+        if value not in choices:
+            raise self.fail(key, value, allowed)
+        return str(value)
+
+    def leftovers(self, known: list[str]) -> None:
+        for key, value in self.table.items():
+            raise self.fail(key, value, "unknown key; known keys: " + ", ".join(known))
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+_SERVER_KEYS: dict[str, str] = {
+    "listen": "string",
+    "port": "port",
+    "max_connections": "positive",
+    "idle_timeout": "number",
+    "max_wait": "number",
+    "allow_flush_all": "boolean",
+    "allow_shutdown": "boolean",
+    "log_level": "log_level",
+    "loop": "loop",
+    "shutdown_timeout": "number",
+}
+_STORAGE_KEYS: dict[str, str] = {
+    "backend": "string",
+    "data_dir": "path",
+    "sync_interval_ms": "positive",
+}
+_QUEUE_KEYS: dict[str, str] = {
+    "max_items": "count",
+    "max_bytes": "count",
+    "max_item_size": "positive",
+    "overflow": "overflow",
+    "unique": "boolean",
+    "visibility_timeout": "number",
+    "max_deliveries": "count",
+    "dead_letter": "string",
+    "sync": "sync",
+}
+
+
+def _read(check: _Checker, kinds: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, kind in kinds.items():
+        if key not in check.table:
+            continue
+        if kind == "string":
+            out[key] = check.string(key)
+        elif kind == "path":
+            out[key] = Path(check.string(key))
+        elif kind == "port":
+            out[key] = check.integer(key, 0, 65535)
+        elif kind == "positive":
+            out[key] = check.integer(key, 1)
+        elif kind == "count":
+            out[key] = check.integer(key, 0)
+        elif kind == "number":
+            out[key] = check.number(key)
+        elif kind == "boolean":
+            out[key] = check.boolean(key)
+        elif kind == "log_level":
+            out[key] = check.choice(key, LOG_LEVELS)
+        elif kind == "loop":
+            out[key] = check.choice(key, LOOPS)
+        elif kind == "overflow":
+            out[key] = check.choice(key, OVERFLOW)
+        elif kind == "sync":
+            out[key] = Sync(check.choice(key, tuple(s.value for s in Sync)))
+    check.leftovers(list(kinds))
+    return out
+
+
+def _table(check: _Checker, key: str) -> dict[str, Any]:
+    if key not in check.table:
+        return {}
+    return dict(check.take(key, dict, "must be a table"))
+
+
+def parse(data: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
+    """Validate a parsed TOML document; return the Config fields it sets."""
+    top = _Checker(path, data, "")
+    server = _table(top, "server")
+    storage = _table(top, "storage")
+    queues = _table(top, "queues")
+    top.leftovers(["server", "storage", "queues"])
+
+    fields = _read(_Checker(path, server, "server."), _SERVER_KEYS)
+    storage_check = _Checker(path, storage, "storage.")
+    backend_options: dict[str, Any] = {}
+    backend = storage.get("backend")
+    # The table named after the backend belongs to the backend, unvalidated here.
+    if isinstance(backend, str) and isinstance(storage.get(backend), dict):
+        backend_options = storage_check.table.pop(backend)
+    for key in [k for k, v in storage_check.table.items() if isinstance(v, dict)]:
+        storage_check.table.pop(key)  # options of other backends: kept for switching
+    fields.update(_read(storage_check, _STORAGE_KEYS))
+    if backend_options:
+        fields["backend_options"] = backend_options
+
+    tables = []
+    for pattern, values in queues.items():
+        if not isinstance(values, dict):
+            raise top.fail(f'queues."{pattern}"', values, "must be a table of queue settings")
+        check = _Checker(path, values, f'queues."{pattern}".')
+        tables.append((pattern, _read(check, _QUEUE_KEYS)))
+    if tables:
+        fields["queues"] = tuple(tables)
+    return fields
+
+
+def load(path: Path | None = None, **overrides: Any) -> Config:
+    """Defaults, then the file at `path` (if any), then `overrides` that are not None."""
+    fields: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+        fields = parse(data, path)
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return Config(path=path, **fields)

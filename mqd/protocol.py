@@ -1,0 +1,444 @@
+"""The memcached text protocol with queue meaning: bytes in, commands out.
+
+Pure: no sockets, no storage. `Parser.feed` takes whatever the socket
+delivered and returns the complete commands it now holds; any split of the
+same input gives the same commands (the parser keeps memcached's line mode,
+data mode and swallow mode as explicit state). Replies are built by the small
+functions at the bottom, from the wire vocabulary in `REPLY`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mqd.errors import ClientError, ProtocolError, ServerError, UnknownCommand
+
+MAX_NAME = 250  # bytes in a queue name
+MAX_LINE = 2048  # bytes in a command line ...
+MAX_GET_LINE = 65536  # ... except get/gets, which may carry many keys
+MAX_BYTES_FIELD = 2**31 - 1  # memcached parses <bytes> as a signed 32-bit number
+MAX_FLAGS = 2**32 - 1
+
+REPLY = {
+    "stored": b"STORED\r\n",
+    "not_stored": b"NOT_STORED\r\n",
+    "deleted": b"DELETED\r\n",
+    "not_found": b"NOT_FOUND\r\n",
+    "end": b"END\r\n",
+    "ok": b"OK\r\n",
+    "reset": b"RESET\r\n",
+}
+
+BAD_FORMAT = "bad command line format"
+BAD_CHUNK = "bad data chunk"
+LINE_TOO_LONG = "line too long"
+TOO_LARGE = "object too large for cache"
+
+# Commands that exist in memcached but mean nothing for a queue.
+UNSUPPORTED_STORAGE = frozenset({b"replace", b"append", b"prepend", b"cas"})
+UNSUPPORTED_OTHER = frozenset({b"incr", b"decr", b"touch", b"gat", b"gats"})
+
+_BAD_NAME_BYTE = re.compile(rb"[\x00-\x20\x7f/+]")
+_INT = re.compile(rb"-?[0-9]+")
+
+
+# -- commands -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Store:
+    """`set` or `add`: enqueue `body` on `queue`."""
+
+    command: str
+    queue: str
+    flags: int
+    exptime: int
+    body: bytes
+    noreply: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One key of a `get`: a queue name and its options."""
+
+    raw: bytes  # as the client wrote it, echoed in VALUE lines
+    queue: str
+    wait_ms: int | None = None
+    open: bool = False
+    close: bool = False
+    abort: bool = False
+    peek: bool = False
+    at: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Retrieve:
+    """`get` or `gets` (with_ids) of one or more keys."""
+
+    keys: tuple[Key, ...]
+    with_ids: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    queue: str
+    noreply: bool
+
+
+@dataclass(frozen=True, slots=True)
+class FlushAll:
+    delay: int
+    noreply: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    args: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Version:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Verbosity:
+    noreply: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Quit:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A command that is answered with an error line; `close` ends the connection."""
+
+    error: ProtocolError
+    noreply: bool = False
+    close: bool = False
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Failed)
+            and type(self.error) is type(other.error)
+            and self.error.message == other.error.message
+            and (self.noreply, self.close) == (other.noreply, other.close)
+        )
+
+    def __hash__(self) -> int:
+        return hash((type(self.error), self.error.message, self.noreply, self.close))
+
+
+Command = Store | Retrieve | Delete | FlushAll | Stats | Version | Verbosity | Quit | Shutdown | Failed
+
+
+def _bad(noreply: bool = False) -> Failed:
+    return Failed(ClientError(BAD_FORMAT), noreply)
+
+
+# -- tokens -------------------------------------------------------------------
+
+
+def _number(token: bytes, low: int, high: int) -> int | None:
+    """`token` as an integer in [low, high], or None."""
+    if not _INT.fullmatch(token):
+        return None
+    value = int(token)
+    return value if low <= value <= high else None
+
+
+def queue_name(raw: bytes) -> str | None:
+    """The queue name `raw` names, or None if the protocol does not allow it."""
+    if not 0 < len(raw) <= MAX_NAME or _BAD_NAME_BYTE.search(raw):
+        return None
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def decode_name(name: str) -> bytes:
+    """The wire bytes of a queue name (inverse of queue_name)."""
+    return name.encode("utf-8", "surrogateescape")
+
+
+_FLAG_OPTIONS = {b"open": "open", b"close": "close", b"abort": "abort", b"peek": "peek"}
+# Options that make no sense together (Kestrel's combinations otherwise).
+_CLASHES = (
+    {"peek", "open"},
+    {"peek", "close"},
+    {"peek", "abort"},
+    {"abort", "close"},
+    {"abort", "open"},
+)
+
+
+def parse_key(raw: bytes) -> Key | None:
+    """A `get` key with its `/option`s, or None if it is malformed."""
+    name, _, rest = raw.partition(b"/")
+    queue = queue_name(name)
+    if queue is None:
+        return None
+    if not rest:
+        return Key(raw, queue)
+    seen: set[str] = set()
+    fields: dict[str, object] = {}
+    for option in rest.split(b"/"):
+        flag = _FLAG_OPTIONS.get(option)
+        if flag is not None:
+            key, value = flag, True
+        elif option.startswith(b"t="):
+            key, value = "wait_ms", _number(option[2:], 0, 2**63)
+        elif option.startswith(b"at="):
+            key, value = "at", _number(option[3:], 0, 2**63)
+        else:
+            return None
+        if value is None or key in seen:
+            return None
+        seen.add(key)
+        fields[key] = value
+    if "at" in seen and len(seen) > 1:
+        return None
+    if any(clash <= seen for clash in _CLASHES):
+        return None
+    return Key(raw, queue, **fields)  # type: ignore[arg-type]
+
+
+# -- the parser ----------------------------------------------------------------
+
+
+class Parser:
+    """Incremental parser of one connection's input.
+
+    `max_item_size` is the largest data block kept in memory: a larger one is
+    read and discarded as it arrives (memcached's swallow state) and answered
+    with SERVER_ERROR, so a client cannot make the daemon buffer it.
+    """
+
+    def __init__(self, max_item_size: int = 1 << 20) -> None:
+        self.max_item_size = max_item_size
+        self._buf = bytearray()
+        self._need = 0  # bytes of data block (with its \r\n) still to come
+        self._store: tuple[str, str, int, int, bool] | None = None
+        self._swallow = 0  # bytes still to discard
+        self._after_swallow: Failed | None = None
+        self.closed = False  # set after a fatal error; feed() then returns nothing
+        self._key_cache: dict[bytes, Key | None] = {}
+
+    def feed(self, data: bytes) -> list[Command]:
+        """Take more input and return every command it completes, in order."""
+        if self.closed:
+            return []
+        buf = self._buf
+        buf += data
+        out: list[Command] = []
+        pos = 0
+        size = len(buf)
+        while pos < size:
+            if self._swallow:
+                taken = min(self._swallow, size - pos)
+                pos += taken
+                self._swallow -= taken
+                if self._swallow:
+                    break
+                assert self._after_swallow is not None
+                out.append(self._after_swallow)
+                self._after_swallow = None
+                continue
+            if self._need:
+                end = pos + self._need
+                if end > size:
+                    break
+                out.append(self._finish_store(buf, pos, end))
+                pos = end
+                continue
+            newline = buf.find(b"\n", pos)
+            if newline < 0:
+                if size - pos > self._line_limit(buf, pos):
+                    out.append(self._too_long())
+                    pos = size
+                break
+            if newline - pos > self._line_limit(buf, pos):
+                out.append(self._too_long())
+                pos = size
+                break
+            end = newline - 1 if newline > pos and buf[newline - 1] == 13 else newline
+            command = self._command(bytes(buf[pos:end]))
+            if command is not None:
+                out.append(command)
+            pos = newline + 1
+        del buf[:pos]
+        return out
+
+    @staticmethod
+    def _line_limit(buf: bytearray, pos: int) -> int:
+        if buf.startswith(b"get ", pos) or buf.startswith(b"gets ", pos):
+            return MAX_GET_LINE
+        return MAX_LINE
+
+    def _too_long(self) -> Failed:
+        self.closed = True
+        self._buf.clear()
+        return Failed(ClientError(LINE_TOO_LONG), close=True)
+
+    def _finish_store(self, buf: bytearray, start: int, end: int) -> Command:
+        assert self._store is not None
+        command, queue, flags, exptime, noreply = self._store
+        self._need = 0
+        self._store = None
+        if buf[end - 2 : end] != b"\r\n":
+            return Failed(ClientError(BAD_CHUNK), noreply)
+        return Store(command, queue, flags, exptime, bytes(buf[start : end - 2]), noreply)
+
+    def _command(self, line: bytes) -> Command | None:
+        tokens = line.split()
+        if not tokens:
+            return Failed(UnknownCommand())
+        handler = _HANDLERS.get(tokens[0])
+        if handler is None:
+            if tokens[0] in UNSUPPORTED_OTHER:
+                name = tokens[0].decode()
+                return Failed(ClientError(f"{name} not supported"), tokens[-1] == b"noreply")
+            return Failed(UnknownCommand())
+        return handler(self, tokens)
+
+    def _storage(self, tokens: list[bytes]) -> Command | None:
+        """Start a storage command; its reply waits for the data block, so None."""
+        name = tokens[0]
+        noreply = tokens[-1] == b"noreply"
+        nbytes = _number(tokens[4], 0, MAX_BYTES_FIELD) if len(tokens) > 4 else None
+        if nbytes is None:
+            return _bad(noreply)
+        error = self._storage_error(tokens, nbytes, noreply)
+        if error is not None:
+            self._swallow = nbytes + 2
+            self._after_swallow = Failed(error, noreply)
+            return None
+        queue = queue_name(tokens[1])
+        flags = int(tokens[2])
+        exptime = int(tokens[3])
+        assert queue is not None
+        self._store = (name.decode(), queue, flags, exptime, noreply)
+        self._need = nbytes + 2
+        return None
+
+    def _storage_error(self, tokens: list[bytes], nbytes: int, noreply: bool) -> ProtocolError | None:
+        name = tokens[0]
+        if name in UNSUPPORTED_STORAGE:
+            return ClientError(f"{name.decode()} not supported")
+        if len(tokens) not in (5, 6) or (len(tokens) == 6 and not noreply):
+            return ClientError(BAD_FORMAT)
+        if (
+            queue_name(tokens[1]) is None
+            or _number(tokens[2], 0, MAX_FLAGS) is None
+            or _number(tokens[3], -(2**63), 2**63) is None
+        ):
+            return ClientError(BAD_FORMAT)
+        if nbytes > self.max_item_size:
+            return ServerError(TOO_LARGE)
+        return None
+
+    def _retrieve(self, tokens: list[bytes]) -> Command:
+        if len(tokens) < 2:
+            return _bad()
+        cache = self._key_cache
+        keys = []
+        for raw in tokens[1:]:
+            try:
+                key = cache[raw]
+            except KeyError:
+                key = parse_key(raw)
+                if len(cache) < 4096:  # bounded: keys are client-chosen
+                    cache[raw] = key
+            if key is None:
+                return _bad()
+            keys.append(key)
+        return Retrieve(tuple(keys), tokens[0] == b"gets")
+
+    def _delete(self, tokens: list[bytes]) -> Command:
+        noreply = tokens[-1] == b"noreply"
+        rest = tokens[2 : len(tokens) - noreply]
+        # memcached still accepts a legacy zero hold time: `delete <key> 0`.
+        if len(tokens) < 2 or rest not in ([], [b"0"]):
+            return _bad(noreply)
+        queue = queue_name(tokens[1])
+        if queue is None:
+            return _bad(noreply)
+        return Delete(queue, noreply)
+
+    def _flush_all(self, tokens: list[bytes]) -> Command:
+        noreply = tokens[-1] == b"noreply"
+        rest = tokens[1 : len(tokens) - noreply]
+        delay = _number(rest[0], 0, 2**63) if len(rest) == 1 else 0
+        if len(rest) > 1 or delay is None:
+            return _bad(noreply)
+        return FlushAll(delay, noreply)
+
+    def _stats(self, tokens: list[bytes]) -> Command:
+        return Stats(tuple(tokens[1:]))
+
+    def _version(self, tokens: list[bytes]) -> Command:
+        return Version() if len(tokens) == 1 else _bad()
+
+    def _verbosity(self, tokens: list[bytes]) -> Command:
+        noreply = tokens[-1] == b"noreply"
+        if len(tokens) != 2 + noreply or _number(tokens[1], 0, 2**63) is None:
+            return _bad(noreply)
+        return Verbosity(noreply)
+
+    def _quit(self, tokens: list[bytes]) -> Command:
+        return Quit() if len(tokens) == 1 else _bad()
+
+    def _shutdown(self, tokens: list[bytes]) -> Command:
+        return Shutdown() if len(tokens) == 1 else _bad()
+
+
+_HANDLERS: dict[bytes, Callable[[Parser, list[bytes]], Command | None]] = {
+    b"set": Parser._storage,
+    b"add": Parser._storage,
+    b"replace": Parser._storage,
+    b"append": Parser._storage,
+    b"prepend": Parser._storage,
+    b"cas": Parser._storage,
+    b"get": Parser._retrieve,
+    b"gets": Parser._retrieve,
+    b"delete": Parser._delete,
+    b"flush_all": Parser._flush_all,
+    b"stats": Parser._stats,
+    b"version": Parser._version,
+    b"verbosity": Parser._verbosity,
+    b"quit": Parser._quit,
+    b"shutdown": Parser._shutdown,
+}
+
+
+# -- replies ------------------------------------------------------------------
+
+
+def value(key: bytes, flags: int, body: bytes, offset: int | None = None) -> bytes:
+    """One `VALUE` block; with `offset` it is the `gets` form."""
+    if offset is None:
+        head = b"VALUE %b %d %d\r\n" % (key, flags, len(body))
+    else:
+        head = b"VALUE %b %d %d %d\r\n" % (key, flags, len(body), offset)
+    return head + body + b"\r\n"
+
+
+def stat(name: str | bytes, val: object) -> bytes:
+    """One `STAT` line."""
+    if isinstance(name, str):
+        name = name.encode("utf-8", "surrogateescape")
+    return b"STAT %b %b\r\n" % (name, str(val).encode())
+
+
+def error_line(error: ProtocolError) -> bytes:
+    """The reply line for an error: the one place exceptions become wire bytes."""
+    if isinstance(error, UnknownCommand) or not error.message:
+        return error.prefix.encode() + b"\r\n"
+    return f"{error.prefix} {error.message}\r\n".encode("utf-8", "surrogateescape")

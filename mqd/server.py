@@ -1,0 +1,391 @@
+"""The asyncio reactor: connections in, parsed commands to the broker, replies out.
+
+One event loop, one thread. Each connection runs its commands strictly in
+order; replies are gathered and written once per batch of input, which is what
+makes pipelining cheap. Signals: TERM/INT stop gracefully (a second one forces
+the exit), HUP reloads per-queue settings. With NOTIFY_SOCKET set, systemd is
+told READY=1 and STOPPING=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
+
+from mqd import __version__, protocol
+from mqd.backend import Backend
+from mqd.broker import Broker, Session
+from mqd.config import Config
+from mqd.errors import ConfigError, ProtocolError, ServerError, UnknownCommand
+from mqd.protocol import (
+    REPLY,
+    Delete,
+    Failed,
+    FlushAll,
+    Quit,
+    Retrieve,
+    Shutdown,
+    Stats,
+    Store,
+    Verbosity,
+    Version,
+)
+
+log = logging.getLogger(__name__)
+
+PENDING_HIGH = 4096  # parsed commands waiting on one connection before it stops reading
+TOO_MANY_CONNECTIONS = b"ERROR Too many open connections\r\n"
+
+
+class Connection(asyncio.Protocol):
+    """One client connection."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.broker = server.broker
+        self.parser = protocol.Parser(server.config.max_item_size)
+        self.session = Session(self.flush)
+        self.transport: asyncio.Transport | None = None
+        self.pending: deque[protocol.Command] = deque()
+        self.out: list[bytes] = []
+        self.task: asyncio.Task[None] | None = None
+        self.closed = False
+        self.last_active = time.monotonic()
+        self._writable: asyncio.Future[None] | None = None
+        self._reading_paused = False
+
+    # -- asyncio.Protocol ----------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport, hence the cast.
+        self.transport = cast(asyncio.Transport, transport)
+        if not self.server.admit(self):
+            self.transport.write(TOO_MANY_CONNECTIONS)
+            self.transport.close()
+            self.closed = True
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self.last_active = time.monotonic()
+        commands = self.parser.feed(data)
+        if not commands:
+            return
+        self.pending.extend(commands)
+        if len(self.pending) > PENDING_HIGH and not self._reading_paused:
+            assert self.transport is not None
+            self.transport.pause_reading()
+            self._reading_paused = True
+        if self.task is None:
+            self.task = self.server.loop.create_task(self.run())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.forget(self)
+        waiter = self._writable
+        if waiter is not None and not waiter.done():
+            waiter.cancel()
+        self.broker.interrupt(self.session)
+        if self.task is None:
+            self.server.spawn(self.broker.end_session(self.session))
+        else:
+            # The running command finishes first, so nothing it took is lost.
+            self.task.add_done_callback(
+                lambda _: self.server.spawn(self.broker.end_session(self.session))
+            )
+
+    def pause_writing(self) -> None:
+        self._writable = self.server.loop.create_future()
+
+    def resume_writing(self) -> None:
+        waiter, self._writable = self._writable, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- running commands ----------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            pending = self.pending
+            while pending and not self.closed:
+                if self._writable is not None:
+                    self.flush()
+                    await self._writable
+                await self.execute(pending.popleft())
+                if self._reading_paused and len(pending) < PENDING_HIGH // 2:
+                    assert self.transport is not None
+                    self.transport.resume_reading()
+                    self._reading_paused = False
+            self.flush()
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self.task = None
+
+    async def execute(self, command: protocol.Command) -> None:
+        """Run one command; append its reply (if any) to the output."""
+        handler = _DISPATCH[type(command)]
+        try:
+            reply = await handler(self, command)
+        except ProtocolError as error:
+            if not getattr(command, "noreply", False):
+                self.out.append(protocol.error_line(error))
+            return
+        except Exception:
+            log.exception("command failed: %r", command)
+            self.out.append(protocol.error_line(ServerError("internal error")))
+            return
+        if reply is not None:
+            self.out.append(reply)
+
+    def flush(self) -> None:
+        """Send every reply gathered so far."""
+        if self.out and self.transport is not None and not self.closed:
+            self.transport.write(b"".join(self.out))
+        self.out.clear()
+
+    def close(self) -> None:
+        self.flush()
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- one method per command type ----------------------------------------
+
+    async def _store(self, command: Store) -> bytes | None:
+        reply = await self.broker.store(command)
+        return None if command.noreply else reply
+
+    async def _retrieve(self, command: Retrieve) -> bytes:
+        return await self.broker.retrieve(command, self.session)
+
+    async def _delete(self, command: Delete) -> bytes | None:
+        found = await self.broker.delete(command.queue)
+        if command.noreply:
+            return None
+        return REPLY["deleted"] if found else REPLY["not_found"]
+
+    async def _flush_all(self, command: FlushAll) -> bytes | None:
+        if command.delay:
+            self.broker.check_flush_all()
+            self.broker.flush_all_later(command.delay)
+        else:
+            await self.broker.flush_all()
+        return None if command.noreply else REPLY["ok"]
+
+    async def _stats(self, command: Stats) -> bytes:
+        return await self.broker.stats(command.args)
+
+    async def _version(self, command: Version) -> bytes:
+        return b"VERSION %b\r\n" % __version__.encode()
+
+    async def _verbosity(self, command: Verbosity) -> bytes | None:
+        return None if command.noreply else REPLY["ok"]
+
+    async def _quit(self, command: Quit) -> None:
+        self.close()
+
+    async def _shutdown(self, command: Shutdown) -> bytes:
+        if not self.server.config.allow_shutdown:
+            raise UnknownCommand()
+        self.out.append(REPLY["ok"])
+        self.flush()
+        self.server.request_stop("shutdown command")
+        return b""
+
+    async def _failed(self, command: Failed) -> None:
+        if not command.noreply:
+            self.out.append(protocol.error_line(command.error))
+        if command.close:
+            self.close()
+
+
+_Handler = Callable[[Connection, Any], Awaitable[bytes | None]]
+_DISPATCH: dict[type, _Handler] = {
+    Store: Connection._store,
+    Retrieve: Connection._retrieve,
+    Delete: Connection._delete,
+    FlushAll: Connection._flush_all,
+    Stats: Connection._stats,
+    Version: Connection._version,
+    Verbosity: Connection._verbosity,
+    Quit: Connection._quit,
+    Shutdown: Connection._shutdown,
+    Failed: Connection._failed,
+}
+
+
+class Server:
+    """Listens, tracks connections, and runs the daemon's life cycle."""
+
+    def __init__(
+        self,
+        config: Config,
+        backend: Backend,
+        reload: Callable[[], Config] | None = None,
+    ) -> None:
+        self.config = config
+        self.broker = Broker(backend, config)
+        self.reload = reload
+        self.connections: set[Connection] = set()
+        self.loop: asyncio.AbstractEventLoop  # set by serve()
+        self._stop: asyncio.Event | None = None
+        self._signals = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.bound: tuple[str, int] | None = None
+
+    def admit(self, connection: Connection) -> bool:
+        if len(self.connections) >= self.config.max_connections:
+            log.warning("refused a connection: max_connections (%d) reached", len(self.connections))
+            return False
+        self.connections.add(connection)
+        self.broker.curr_connections = len(self.connections)
+        self.broker.counters.total_connections += 1
+        return True
+
+    def forget(self, connection: Connection) -> None:
+        self.connections.discard(connection)
+        self.broker.curr_connections = len(self.connections)
+
+    def spawn(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = self.loop.create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def request_stop(self, why: str) -> None:
+        log.info("stopping: %s", why)
+        if self._stop is not None:
+            self._stop.set()
+
+    async def serve(self) -> None:
+        """Run until stopped by a signal or the shutdown command."""
+        self.loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        await self.broker.start()
+        server = await self.loop.create_server(
+            lambda: Connection(self),
+            self.config.listen,
+            self.config.port,
+            reuse_address=True,
+            backlog=1024,
+        )
+        sock = server.sockets[0].getsockname()
+        self.bound = (sock[0], sock[1])
+        self._install_signals()
+        idle = self.loop.create_task(self._reap_idle()) if self.config.idle_timeout else None
+        log.info(
+            "mqd %s listening on %s:%d, backend %s",
+            __version__,
+            self.bound[0],
+            self.bound[1],
+            self.broker.backend.name,
+        )
+        notify("READY=1")
+        try:
+            await self._stop.wait()
+        finally:
+            notify("STOPPING=1")
+            if idle is not None:
+                idle.cancel()
+            server.close()
+            await self._drain()
+            await self.broker.stop()
+            log.info("stopped")
+
+    async def _drain(self) -> None:
+        """Finish in-flight commands within `shutdown_timeout`, then close connections."""
+        self.broker.begin_stop()
+        for connection in list(self.connections):
+            if connection.transport is not None:
+                connection.transport.pause_reading()
+        running = [c.task for c in self.connections if c.task is not None]
+        if running:
+            _, late = await asyncio.wait(running, timeout=self.config.shutdown_timeout)
+            for task in late:
+                task.cancel()
+        for connection in list(self.connections):
+            connection.close()
+        # Give connection_lost callbacks (which give back open messages) a turn.
+        await asyncio.sleep(0)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.config.shutdown_timeout)
+
+    def _install_signals(self) -> None:
+        self.loop.add_signal_handler(signal.SIGTERM, self._on_stop_signal, "SIGTERM")
+        self.loop.add_signal_handler(signal.SIGINT, self._on_stop_signal, "SIGINT")
+        self.loop.add_signal_handler(signal.SIGHUP, self._on_reload)
+
+    def _on_stop_signal(self, name: str) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("second %s: exiting now", name)
+            os._exit(1)
+        self.request_stop(name)
+
+    def _on_reload(self) -> None:
+        if self.reload is None:
+            return
+        try:
+            config = self.reload()
+        except ConfigError as error:
+            log.error("reload failed, keeping the old settings: %s", error)
+            return
+        self.config = config
+        self.broker.reconfigure(config)
+        logging.getLogger().setLevel(config.log_level_number)
+        log.info("reloaded %s", config.path or "settings")
+
+    async def _reap_idle(self) -> None:
+        # One timer for all connections is cheaper than re-arming one per read.
+        timeout = self.config.idle_timeout
+        while True:
+            await asyncio.sleep(min(timeout, 1.0))
+            cutoff = time.monotonic() - timeout
+            for connection in list(self.connections):
+                if connection.task is None and connection.last_active < cutoff:
+                    log.debug("closing an idle connection")
+                    connection.close()
+
+
+def notify(state: str) -> None:
+    """Tell systemd about our state, if it is listening (Type=notify).
+
+    The protocol is one datagram on a Unix socket; a dependency for that would
+    be larger than this function.
+    """
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return
+    if path.startswith("@"):  # abstract namespace
+        path = "\0" + path[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.connect(path)
+            sock.sendall(state.encode())
+    except OSError as error:
+        log.warning("could not notify systemd (%s): %s", state, error)
+
+
+def run(config: Config, backend: Backend, reload: Callable[[], Config] | None = None) -> None:
+    """Serve until stopped, on uvloop when configured and installed."""
+    use_uvloop = config.loop in ("uvloop", "auto")
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            if config.loop == "uvloop":
+                raise ConfigError(
+                    "server.loop = 'uvloop' but uvloop is not installed: pip install uvloop"
+                ) from None
+            use_uvloop = False
+    if use_uvloop:
+        uvloop.run(Server(config, backend, reload).serve())
+    else:
+        asyncio.run(Server(config, backend, reload).serve())

@@ -1,0 +1,133 @@
+"""A real `mqd serve` process on a free loopback port, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+START_TIMEOUT = 20.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Daemon:
+    """Runs `python -m mqd serve` with a config written to `workdir/mqd.toml`.
+
+    The data directory is `workdir/data`, kept across restart() so durable
+    backends can be tested across crashes; the log is `workdir/mqd.log`.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        backend: str = "memory",
+        config_text: str = "",
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.workdir = workdir
+        self.backend = backend
+        self.config_path = workdir / "mqd.toml"
+        self.config_path.write_text(config_text)
+        self.data_dir = workdir / "data"
+        self.log_path = workdir / "mqd.log"
+        self.args = args
+        self.env = {**os.environ, **(env or {})}
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "mqd",
+            "serve",
+            "--config",
+            str(self.config_path),
+            "--listen",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--backend",
+            self.backend,
+            "--data-dir",
+            str(self.data_dir),
+            *self.args,
+        ]
+
+    def start(self) -> Daemon:
+        """Start the process and wait until it accepts connections."""
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env
+            )
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mqd exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                socket.create_connection(self.address, timeout=0.5).close()
+                return self
+            except OSError:
+                time.sleep(0.02)
+        self.kill()
+        raise RuntimeError(f"mqd did not start within {START_TIMEOUT}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def signal(self, signum: int) -> None:
+        assert self.process is not None
+        self.process.send_signal(signum)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM, then wait; returns the exit code (SIGKILL after `timeout`)."""
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, as far as the daemon can tell."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def restart(self) -> Daemon:
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> Daemon:
+        return self.start()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.kill()
