@@ -181,11 +181,11 @@ _CLASHES = (
 
 def parse_key(raw: bytes) -> Key | None:
     """A `get` key with its `/option`s, or None if it is malformed."""
-    name, _, rest = raw.partition(b"/")
+    name, slash, rest = raw.partition(b"/")
     queue = queue_name(name)
     if queue is None:
         return None
-    if not rest:
+    if not slash:
         return Key(raw, queue)
     seen: set[str] = set()
     fields: dict[str, object] = {}

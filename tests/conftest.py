@@ -1,0 +1,151 @@
+"""Fixtures: a real daemon on a loopback port, and a raw-socket client for byte-exact checks."""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mqd.testing.daemon import Daemon
+
+# One daemon serves most tests; each test uses its own queue names (see `q`).
+SHARED_CONFIG = """
+[server]
+max_wait = 5
+allow_shutdown = false
+
+[queues."limited.*"]
+max_items = 2
+
+[queues."bytes.*"]
+max_bytes = 10
+
+[queues."drop.*"]
+max_items = 2
+overflow = "drop_oldest"
+
+[queues."vt.*"]
+visibility_timeout = 0.5
+
+[queues."dl.*"]
+visibility_timeout = 0.3
+max_deliveries = 2
+
+[queues."dlx.*"]
+max_deliveries = 1
+dead_letter = "graveyard"
+
+[queues."uniq.*"]
+unique = true
+
+[queues."small.*"]
+max_item_size = 10
+"""
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    with Daemon(tmp_path_factory.mktemp("mqd"), config_text=SHARED_CONFIG) as d:
+        yield d
+
+
+@pytest.fixture
+def q() -> str:
+    """A queue name no other test uses."""
+    return "t" + uuid.uuid4().hex[:12]
+
+
+class Raw:
+    """A plain socket speaking bytes, for byte-for-byte replies."""
+
+    def __init__(self, address: tuple[str, int], timeout: float = 5.0) -> None:
+        self.sock = socket.create_connection(address, timeout=timeout)
+        self.buf = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def read(self, size: int) -> bytes:
+        """Exactly `size` bytes (fails on timeout or close)."""
+        while len(self.buf) < size:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError(f"closed after {self.buf!r}")
+            self.buf += chunk
+        out, self.buf = self.buf[:size], self.buf[size:]
+        return out
+
+    def read_until(self, end: bytes) -> bytes:
+        while end not in self.buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError(f"closed after {self.buf!r}")
+            self.buf += chunk
+        i = self.buf.index(end) + len(end)
+        out, self.buf = self.buf[:i], self.buf[i:]
+        return out
+
+    def call(self, data: bytes, expect: bytes) -> None:
+        """Send `data` and check the next bytes are exactly `expect`."""
+        self.send(data)
+        assert self.read(len(expect)) == expect
+
+    def quiet(self, wait: float = 0.2) -> bytes:
+        """Whatever arrives within `wait` seconds (b"" when nothing does)."""
+        self.sock.settimeout(wait)
+        try:
+            self.buf += self.sock.recv(65536)
+        except (TimeoutError, socket.timeout):
+            pass
+        finally:
+            self.sock.settimeout(5.0)
+        out, self.buf = self.buf, b""
+        return out
+
+    def closed(self, wait: float = 2.0) -> bool:
+        """Whether the server closes the connection within `wait` seconds."""
+        deadline = time.monotonic() + wait
+        self.sock.settimeout(wait)
+        try:
+            while time.monotonic() < deadline:
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    return True
+                self.buf += chunk
+        except (TimeoutError, socket.timeout):
+            return False
+        except ConnectionResetError:
+            return True
+        return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def raw(daemon: Daemon) -> Iterator[Raw]:
+    conn = Raw(daemon.address)
+    yield conn
+    conn.close()
+
+
+def connect(daemon: Daemon) -> Raw:
+    return Raw(daemon.address)
+
+
+def store(conn: Raw, queue: str, body: bytes, flags: int = 0, exptime: int = 0) -> None:
+    head = b"set %b %d %d %d\r\n" % (queue.encode(), flags, exptime, len(body))
+    conn.call(head + body + b"\r\n", b"STORED\r\n")
+
+
+def value(key: str, body: bytes, flags: int = 0) -> bytes:
+    return b"VALUE %b %d %d\r\n%b\r\n" % (key.encode(), flags, len(body), body)
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    return tmp_path
