@@ -29,7 +29,7 @@ from mqd.errors import BackendLoadError
 ENTRY_POINT_GROUP = "mqd.backends"
 
 
-class Capability(str, enum.Enum):
+class Capability(enum.StrEnum):
     """Optional abilities a backend declares in `Backend.capabilities`."""
 
     UNIQUE = "unique"  # put(unique=True) refuses a body already in the queue
@@ -38,7 +38,7 @@ class Capability(str, enum.Enum):
     SHARED = "shared"  # several daemons may use the same storage at once
 
 
-class Sync(str, enum.Enum):
+class Sync(enum.StrEnum):
     """How durable a change must be before the call returns."""
 
     ALWAYS = "always"  # on stable storage before returning (group commit)
@@ -95,9 +95,11 @@ class Backend(abc.ABC):
 
     async def open(self) -> None:
         """Open or create storage. Called once before any other call."""
+        return None  # optional hook: nothing to open by default
 
     async def close(self) -> None:
         """Flush and release everything. No call follows."""
+        return None  # optional hook: nothing to release by default
 
     async def recover(self) -> list[tuple[str, Message]]:
         """Messages that were reserved when the storage was last closed or crashed.

@@ -10,12 +10,14 @@ counters behind `stats`. It never touches sockets; the server hands it a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, fields
+from typing import Any
 
 from mqd import __version__, protocol
 from mqd.backend import Backend, Capability, Message
@@ -251,7 +253,13 @@ class Broker:
                 opening.add(key.queue)
 
     async def _pass(
-        self, keys: list[Key] | tuple[Key, ...], session: Session, ids: bool, out: list[bytes], *, first: bool
+        self,
+        keys: list[Key] | tuple[Key, ...],
+        session: Session,
+        ids: bool,
+        out: list[bytes],
+        *,
+        first: bool,
     ) -> int:
         """Serve each key once; return how many VALUEs were added to `out`."""
         hits = 0
@@ -374,8 +382,8 @@ class Broker:
     def _timed_out(self, lease: Lease) -> None:
         self._spawn(self._give_back(lease))
 
-    def _spawn(self, coro: object) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
 
@@ -415,10 +423,8 @@ class Broker:
                 waiters = self._waiters.get(queue)
                 if waiters is None:
                     continue
-                try:
+                with contextlib.suppress(ValueError):
                     waiters.remove(waiter)
-                except ValueError:
-                    pass
                 if not waiters:
                     del self._waiters[queue]
 

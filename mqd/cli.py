@@ -43,7 +43,9 @@ def main() -> None:
 @config_option
 @click.option("--listen", envvar="MQD_LISTEN", help="Address to listen on.  [default: 127.0.0.1]")
 @click.option("--port", type=int, envvar="MQD_PORT", help="TCP port.  [default: 22133]")
-@click.option("--backend", envvar="MQD_BACKEND", help="Storage backend by name (see `mqd backends`).")
+@click.option(
+    "--backend", envvar="MQD_BACKEND", help="Storage backend by name (see `mqd backends`)."
+)
 @click.option(
     "--data-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -93,7 +95,9 @@ def check_config(config_path: Path | None) -> None:
         raise click.ClickException(str(error)) from None
     caps = ", ".join(sorted(c.value for c in backend_class.capabilities))
     click.echo(f"{cfg.path or 'defaults'}: OK")
-    click.echo(f"listen {cfg.listen}:{cfg.port}, backend {cfg.backend} ({caps}), data {cfg.data_dir}")
+    click.echo(
+        f"listen {cfg.listen}:{cfg.port}, backend {cfg.backend} ({caps}), data {cfg.data_dir}"
+    )
     for pattern, values in cfg.queues:
         settings = ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in values.items())
         click.echo(f'queues."{pattern}": {settings}')
@@ -140,7 +144,12 @@ def stats(host: str, port: int) -> None:
             general.add_row(key, value)
         else:
             queues.setdefault(key[len("queue_") : -len(field) - 1], {})[field] = value
-    per_queue = Table("queue", *QUEUE_FIELDS, title="queues")
+    per_queue = Table(title="queues")
+    # Names are data: show them whole, on one line, so they can be copied.
+    longest = max((len(name) for name in queues), default=5)
+    per_queue.add_column("queue", no_wrap=True, min_width=longest)
+    for name in QUEUE_FIELDS:
+        per_queue.add_column(name, justify="right")
     for name in sorted(queues):
         per_queue.add_row(name, *(queues[name].get(f, "") for f in QUEUE_FIELDS))
     console = Console()

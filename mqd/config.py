@@ -76,7 +76,7 @@ class Config:
     @property
     def max_item_size(self) -> int:
         """The largest value any queue accepts: the parser buffers no more than this."""
-        sizes = [v["max_item_size"] for _, v in self.queues if "max_item_size" in v]
+        sizes: list[int] = [v["max_item_size"] for _, v in self.queues if "max_item_size" in v]
         return max([_QUEUE_DEFAULTS.max_item_size, *sizes])
 
     def storage_options(self) -> StorageOptions:
@@ -120,10 +120,10 @@ class _Checker:
 
     def integer(self, key: str, low: int = 0, high: int = 2**63) -> int:
         allowed = f"must be a whole number from {low} to {high}"
-        value = self.take(key, int, allowed)
+        value: int = self.take(key, int, allowed)
         if not low <= value <= high:
             raise self.fail(key, value, allowed)
-        return int(value)
+        return value
 
     def number(self, key: str, low: float = 0.0) -> float:
         allowed = f"must be a number of at least {low}"

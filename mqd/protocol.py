@@ -138,7 +138,9 @@ class Failed:
         return hash((type(self.error), self.error.message, self.noreply, self.close))
 
 
-Command = Store | Retrieve | Delete | FlushAll | Stats | Version | Verbosity | Quit | Shutdown | Failed
+Command = (
+    Store | Retrieve | Delete | FlushAll | Stats | Version | Verbosity | Quit | Shutdown | Failed
+)
 
 
 def _bad(noreply: bool = False) -> Failed:
@@ -191,6 +193,7 @@ def parse_key(raw: bytes) -> Key | None:
     fields: dict[str, object] = {}
     for option in rest.split(b"/"):
         flag = _FLAG_OPTIONS.get(option)
+        value: int | bool | None
         if flag is not None:
             key, value = flag, True
         elif option.startswith(b"t="):
@@ -328,7 +331,9 @@ class Parser:
         self._need = nbytes + 2
         return None
 
-    def _storage_error(self, tokens: list[bytes], nbytes: int, noreply: bool) -> ProtocolError | None:
+    def _storage_error(
+        self, tokens: list[bytes], nbytes: int, noreply: bool
+    ) -> ProtocolError | None:
         name = tokens[0]
         if name in UNSUPPORTED_STORAGE:
             return ClientError(f"{name.decode()} not supported")

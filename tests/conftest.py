@@ -99,7 +99,7 @@ class Raw:
         self.sock.settimeout(wait)
         try:
             self.buf += self.sock.recv(65536)
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             pass
         finally:
             self.sock.settimeout(5.0)
@@ -116,7 +116,7 @@ class Raw:
                 if not chunk:
                     return True
                 self.buf += chunk
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             return False
         except ConnectionResetError:
             return True

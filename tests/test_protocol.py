@@ -129,7 +129,10 @@ def test_too_large_is_discarded_as_it_arrives() -> None:
     for _ in range(10):
         assert parser.feed(b"x" * 10000) == []
         assert len(parser._buf) == 0
-    assert parser.feed(b"\r\nversion\r\n") == [Failed(ServerError("object too large for cache")), Version()]
+    assert parser.feed(b"\r\nversion\r\n") == [
+        Failed(ServerError("object too large for cache")),
+        Version(),
+    ]
 
 
 def test_line_too_long_closes() -> None:
@@ -156,7 +159,9 @@ def test_replies() -> None:
 names = st.binary(min_size=1, max_size=12).filter(
     lambda b: all(c > 0x20 and c != 0x7F and c not in b"/+" for c in b)
 )
-options = st.sampled_from([b"", b"/open", b"/close", b"/close/open", b"/t=10", b"/peek", b"/at=3", b"/abort"])
+options = st.sampled_from(
+    [b"", b"/open", b"/close", b"/close/open", b"/t=10", b"/peek", b"/at=3", b"/abort"]
+)
 bodies = st.binary(max_size=40)
 
 
@@ -169,7 +174,14 @@ def commands(draw: st.DrawFn) -> bytes:
         verb = draw(st.sampled_from([b"set", b"add", b"replace"]))
         tail = draw(st.sampled_from([b"", b" noreply"]))
         size = len(body) + draw(st.sampled_from([0, 0, 0, 1]))  # sometimes a bad chunk
-        return b"%b %b %d 0 %d%b\r\n%b\r\n" % (verb, name, draw(st.integers(0, 9)), size, tail, body)
+        return b"%b %b %d 0 %d%b\r\n%b\r\n" % (
+            verb,
+            name,
+            draw(st.integers(0, 9)),
+            size,
+            tail,
+            body,
+        )
     if kind <= 5:
         keys = draw(st.lists(st.tuples(names, options), min_size=1, max_size=3))
         return b"get " + b" ".join(n + o for n, o in keys) + draw(st.sampled_from([b"\r\n", b"\n"]))

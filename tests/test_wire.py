@@ -40,7 +40,10 @@ def test_gets_ids_grow_by_one(raw: Raw, q: str) -> None:
         store(raw, q, body)
     k = q.encode()
     raw.call(b"gets %b\r\n" % k, b"VALUE %b 0 1 0\r\na\r\nEND\r\n" % k)
-    raw.call(b"gets %b %b\r\n" % (k, k), b"VALUE %b 0 1 1\r\nb\r\nVALUE %b 0 1 2\r\nc\r\nEND\r\n" % (k, k))
+    raw.call(
+        b"gets %b %b\r\n" % (k, k),
+        b"VALUE %b 0 1 1\r\nb\r\nVALUE %b 0 1 2\r\nc\r\nEND\r\n" % (k, k),
+    )
     raw.call(b"delete %b\r\n" % k, b"DELETED\r\n")
     store(raw, q, b"d")
     raw.call(b"gets %b\r\n" % k, b"VALUE %b 0 1 0\r\nd\r\nEND\r\n" % k)
@@ -93,12 +96,17 @@ def test_bad_keys_swallow_the_block(raw: Raw) -> None:
 
 def test_unsupported_commands(raw: Raw, q: str) -> None:
     for verb in (b"replace", b"append", b"prepend"):
-        raw.call(b"%b %b 0 0 3\r\nabc\r\n" % (verb, q.encode()), b"CLIENT_ERROR %b not supported\r\n" % verb)
+        raw.call(
+            b"%b %b 0 0 3\r\nabc\r\n" % (verb, q.encode()),
+            b"CLIENT_ERROR %b not supported\r\n" % verb,
+        )
     raw.call(b"cas %b 0 0 3 7\r\nabc\r\n" % q.encode(), b"CLIENT_ERROR cas not supported\r\n")
     for line in (b"incr q 1", b"decr q 1", b"touch q 10", b"gat 10 q", b"gats 10 q"):
         verb = line.split()[0]
         raw.call(line + b"\r\n", b"CLIENT_ERROR %b not supported\r\n" % verb)
-    raw.call(b"append q 0 0 3 noreply\r\nabc\r\nincr q 1 noreply\r\nversion\r\n", b"VERSION 0.1.0\r\n")
+    raw.call(
+        b"append q 0 0 3 noreply\r\nabc\r\nincr q 1 noreply\r\nversion\r\n", b"VERSION 0.1.0\r\n"
+    )
     raw.call(b"get %b\r\n" % q.encode(), b"END\r\n")
 
 
@@ -120,7 +128,9 @@ def test_noreply_suppresses_everything(raw: Raw, q: str) -> None:
 def test_sizes(raw: Raw, q: str) -> None:
     k = b"small." + q.encode()
     raw.call(b"set %b 0 0 10\r\n%b\r\n" % (k, b"x" * 10), b"STORED\r\n")
-    raw.call(b"set %b 0 0 11\r\n%b\r\n" % (k, b"x" * 11), b"SERVER_ERROR object too large for cache\r\n")
+    raw.call(
+        b"set %b 0 0 11\r\n%b\r\n" % (k, b"x" * 11), b"SERVER_ERROR object too large for cache\r\n"
+    )
     big = b"y" * (1 << 20)
     raw.call(b"set %b 0 0 %d\r\n%b\r\n" % (q.encode(), len(big), big), b"STORED\r\n")
     raw.call(
@@ -159,7 +169,9 @@ def test_limits_drop_oldest(raw: Raw, q: str) -> None:
     k = "drop." + q
     for body in (b"1", b"2", b"3"):
         store(raw, k, body)
-    raw.call(b"get %b %b %b\r\n" % ((k.encode(),) * 3), value(k, b"2") + value(k, b"3") + b"END\r\n")
+    raw.call(
+        b"get %b %b %b\r\n" % ((k.encode(),) * 3), value(k, b"2") + value(k, b"3") + b"END\r\n"
+    )
 
 
 def test_add_and_unique(raw: Raw, q: str) -> None:
@@ -259,7 +271,11 @@ def test_stats(raw: Raw, q: str) -> None:
         assert name in stats
     for name in ("cmd_get", "cmd_set", "get_hits", "get_misses", "curr_items", "bytes"):
         assert int(stats[name]) >= 0
-    assert (stats[f"queue_{q}_items"], stats[f"queue_{q}_bytes"], stats[f"queue_{q}_open"]) == ("2", "5", "1")
+    assert (stats[f"queue_{q}_items"], stats[f"queue_{q}_bytes"], stats[f"queue_{q}_open"]) == (
+        "2",
+        "5",
+        "1",
+    )
     assert (stats[f"queue_{q}_enqueued"], stats[f"queue_{q}_dequeued"]) == ("2", "0")
     assert int(stats[f"queue_{q}_age_ms"]) >= 0
     raw.call(b"stats reset\r\n", b"RESET\r\n")

@@ -9,7 +9,7 @@ from mqd.backend import Backend, Capability, Message, QueueSize, StorageOptions,
 
 
 class _Queue:
-    __slots__ = ("waiting", "reserved", "next_offset", "bytes", "bodies")
+    __slots__ = ("bodies", "bytes", "next_offset", "reserved", "waiting")
 
     def __init__(self) -> None:
         self.waiting: deque[Message] = deque()  # sorted by offset

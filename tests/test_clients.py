@@ -1,0 +1,62 @@
+"""Real memcached clients, unchanged, against a real daemon."""
+
+from __future__ import annotations
+
+import memcache
+from pymemcache import serde
+from pymemcache.client.base import Client
+
+from mqd.testing.daemon import Daemon
+
+
+def test_pymemcache_round_trip(daemon: Daemon, q: str) -> None:
+    client = Client(daemon.address)
+    assert client.set(q, b"hello") is True
+    assert client.set(q, "world") is True
+    assert client.get(q) == b"hello"
+    assert client.get(q) == b"world"
+    assert client.get(q) is None
+    assert client.delete(q, noreply=False) is True
+    assert client.delete(q, noreply=False) is False
+
+
+def test_pymemcache_pickle_serde_keeps_flags(daemon: Daemon, q: str) -> None:
+    client = Client(daemon.address, serde=serde.pickle_serde)
+    objects = [{"job": 1, "args": [1, 2]}, 42, "text", ("a", None)]
+    for obj in objects:
+        client.set(q, obj)
+    assert [client.get(q) for _ in objects] == objects
+
+
+def test_pymemcache_keys_with_options(daemon: Daemon, q: str) -> None:
+    client = Client(daemon.address)
+    client.set(q, b"job")
+    assert client.get(f"{q}/t=100/open") == b"job"
+    assert client.get(f"{q}/close") is None
+    assert client.get(f"{q}/t=100") is None
+    client.set(q, b"next")
+    assert client.get_many([f"{q}/peek", "missing"]) == {f"{q}/peek": b"next"}
+    value, offset = client.gets(q)
+    assert (value, offset) == (b"next", b"1")
+
+
+def test_pymemcache_add_and_stats(daemon: Daemon, q: str) -> None:
+    client = Client(daemon.address)
+    assert client.add(q, b"x", noreply=False) is True
+    assert client.add(q, b"x", noreply=False) is False
+    stats = client.stats()
+    assert stats[f"queue_{q}_items".encode()] == 1
+    assert client.version() == b"0.1.0"
+
+
+def test_python_memcached(daemon: Daemon, q: str) -> None:
+    client = memcache.Client([f"127.0.0.1:{daemon.port}"])
+    assert client.set(q, {"a": 1})
+    assert client.set(q, 7)
+    assert client.get(q) == {"a": 1}
+    assert client.get(q) == 7
+    assert client.get(q) is None
+    client.set(q, "x")
+    assert client.get(q + "/open") == "x"
+    assert client.get(q + "/close") is None
+    client.disconnect_all()

@@ -1,0 +1,204 @@
+"""The daemon's life cycle: signals, systemd notification, limits, config errors, CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Raw, store, value
+
+from mqd.testing.daemon import Daemon
+
+
+def mqd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mqd", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_sigterm_with_clients_connected_exits_cleanly(tmp_path: Path) -> None:
+    with Daemon(tmp_path) as d:
+        idle, waiting, holder = Raw(d.address), Raw(d.address), Raw(d.address)
+        store(holder, "jobs", b"a")
+        holder.call(b"get jobs/open\r\n", value("jobs/open", b"a") + b"END\r\n")
+        waiting.send(b"get other/t=20000\r\n")
+        time.sleep(0.2)
+        start = time.monotonic()
+        assert d.stop(timeout=15) == 0
+        assert time.monotonic() - start < 10
+        assert waiting.read_until(b"END\r\n") == b"END\r\n"  # the in-flight get was answered
+        assert idle.closed()
+        assert "stopped" in d.log()
+        assert "Traceback" not in d.log()
+
+
+def test_second_signal_forces_exit(tmp_path: Path) -> None:
+    with Daemon(tmp_path, config_text="[server]\nshutdown_timeout = 60\n") as d:
+        busy = Raw(d.address)
+        # A pipelined burst behind a long wait keeps a command in flight.
+        busy.send(b"get q/t=30000\r\n")
+        time.sleep(0.2)
+        d.signal(signal.SIGTERM)
+        d.signal(signal.SIGTERM)
+        assert d.process is not None
+        assert d.process.wait(10) in (0, 1)
+
+
+def test_sighup_applies_changed_max_items(tmp_path: Path) -> None:
+    with Daemon(tmp_path, config_text='[queues."h*"]\nmax_items = 1\n') as d:
+        conn = Raw(d.address)
+        store(conn, "hq", b"1")
+        conn.call(b"set hq 0 0 1\r\n2\r\n", b"NOT_STORED\r\n")
+        d.config_path.write_text('[queues."h*"]\nmax_items = 3\n')
+        d.signal(signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while b"reloaded" not in d.log().encode() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        store(conn, "hq", b"2")
+        store(conn, "hq", b"3")
+        conn.call(b"set hq 0 0 1\r\n4\r\n", b"NOT_STORED\r\n")
+        # A broken file on reload keeps the old settings and the daemon.
+        d.config_path.write_text('[queues."h*"]\nmax_items = "lots"\n')
+        d.signal(signal.SIGHUP)
+        time.sleep(0.3)
+        conn.call(b"set hq 0 0 1\r\n4\r\n", b"NOT_STORED\r\n")
+        assert "reload failed" in d.log()
+
+
+def test_systemd_notification(tmp_path: Path) -> None:
+    path = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        sock.settimeout(10)
+        d = Daemon(tmp_path, env={"NOTIFY_SOCKET": str(path)}).start()
+        try:
+            assert sock.recv(64) == b"READY=1"
+            d.stop()
+            assert sock.recv(64) == b"STOPPING=1"
+        finally:
+            d.kill()
+
+
+def test_shutdown_command_when_enabled(tmp_path: Path) -> None:
+    with Daemon(tmp_path, config_text="[server]\nallow_shutdown = true\n") as d:
+        Raw(d.address).call(b"shutdown\r\n", b"OK\r\n")
+        assert d.process is not None and d.process.wait(10) == 0
+
+
+def test_flush_all(tmp_path: Path) -> None:
+    with Daemon(tmp_path) as d:
+        conn = Raw(d.address)
+        store(conn, "a", b"1")
+        store(conn, "b", b"2")
+        conn.call(b"flush_all\r\n", b"OK\r\n")
+        conn.call(b"get a b\r\n", b"END\r\n")
+        conn.call(b"stats queues\r\n", b"END\r\n")
+    with Daemon(tmp_path, config_text="[server]\nallow_flush_all = false\n") as d:
+        conn = Raw(d.address)
+        conn.call(b"flush_all\r\n", b"CLIENT_ERROR flush_all disabled\r\n")
+        conn.call(b"flush_all noreply\r\nversion\r\n", b"VERSION 0.1.0\r\n")
+
+
+def test_max_connections_and_idle_timeout(tmp_path: Path) -> None:
+    config = "[server]\nmax_connections = 2\nidle_timeout = 1\n"
+    with Daemon(tmp_path, config_text=config) as d:
+        first, second = Raw(d.address), Raw(d.address)
+        first.call(b"version\r\n", b"VERSION 0.1.0\r\n")
+        second.call(b"version\r\n", b"VERSION 0.1.0\r\n")
+        third = Raw(d.address)
+        assert third.read_until(b"\r\n") == b"ERROR Too many open connections\r\n"
+        assert third.closed()
+        assert first.closed(wait=4)  # idle for over a second
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[server]\nport = "x"\n', "server.port = 'x': must be a whole number from 0 to 65535"),
+        ('[server]\nlog_level = "loud"\n', "server.log_level = 'loud': must be one of \"debug\""),
+        (
+            '[queues."a*"]\noverflow = "spill"\n',
+            'queues."a*".overflow = \'spill\': must be one of "reject", "drop_oldest"',
+        ),
+        (
+            '[queues."a*"]\nsync = 1\n',
+            'queues."a*".sync = 1: must be one of "always", "periodic", "none"',
+        ),
+        ("[server]\nprot = 1\n", "server.prot = 1: unknown key; known keys: listen, port"),
+        ("[server\n", "not valid TOML"),
+    ],
+)
+def test_bad_config_names_file_key_value_and_allowed(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    for command in ("check-config", "serve"):
+        result = mqd(command, "--config", str(path))
+        assert result.returncode != 0
+        assert str(path) in result.stderr and expected in result.stderr
+        assert "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_backend_suggests_the_nearest(tmp_path: Path) -> None:
+    result = mqd("serve", "--backend", "memroy", "--port", "0")
+    assert result.returncode != 0
+    assert "unknown backend 'memroy'" in result.stderr and "did you mean 'memory'" in result.stderr
+
+
+def test_check_config_accepts_the_shipped_example(tmp_path: Path) -> None:
+    example = Path(__file__).parent.parent / "etc" / "mqd.toml"
+    result = mqd("check-config", "--config", str(example))
+    assert result.returncode == 0, result.stderr
+    assert "OK" in result.stdout
+
+
+def test_backends_lists_the_built_in_one() -> None:
+    result = mqd("backends")
+    assert result.returncode == 0
+    line = next(line for line in result.stdout.splitlines() if "memory" in line)
+    assert "mqd" in line and "unique" in line and "fifo" in line
+
+
+def test_flags_and_environment_override_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text("[server]\nport = 1\n")
+    port = str(Daemon(tmp_path).port)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mqd", "serve", "--config", str(config)],
+        env={**os.environ, "MQD_PORT": port},
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                Raw(("127.0.0.1", int(port))).call(b"version\r\n", b"VERSION 0.1.0\r\n")
+                break
+            except OSError:
+                time.sleep(0.05)
+        else:
+            pytest.fail("daemon did not listen on the MQD_PORT port")
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
+
+
+def test_stats_command_prints_tables(daemon: Daemon, q: str) -> None:
+    store(Raw(daemon.address), q, b"abc")
+    result = mqd("stats", "--port", str(daemon.port))
+    assert result.returncode == 0, result.stderr
+    row = next(line for line in result.stdout.splitlines() if q in line)
+    assert row.split("│")[2].strip() == "1"  # items
+    assert mqd("stats", "--port", "1").returncode != 0
