@@ -1,0 +1,237 @@
+"""The one thread that does all of an environment's Berkeley DB work.
+
+The event loop puts jobs in an inbox and awaits their futures. The worker takes
+whatever has arrived (up to `max_batch` jobs), runs it in one transaction,
+syncs the log once if any job asked for `Sync.ALWAYS` (group commit), and
+hands every result back to the loop in one call_soon_threadsafe. Between
+batches it flushes for `Sync.PERIODIC`, checkpoints, closes idle files and
+purges deleted queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mqd.backend import Message, QueueSize, Sync
+from mqd_bdb import jobs
+from mqd_bdb.store import Store, storage_error
+
+log = logging.getLogger("mqd.bdb")
+
+STOP = -1  # operation code of the job that closes the store and ends the thread
+CHECK_S = 1.0  # how often to consider a checkpoint while changes are being made
+
+ALWAYS = Sync.ALWAYS
+PERIODIC = Sync.PERIODIC
+
+Deliver = Callable[[list[jobs.Result], dict[str, QueueSize | None]], None]
+
+
+class Worker:
+    """Runs `store` on a thread of its own; `deliver` is called on `loop` per batch."""
+
+    def __init__(
+        self,
+        store: Store,
+        loop: asyncio.AbstractEventLoop,
+        deliver: Deliver,
+        sync_interval_s: float,
+    ) -> None:
+        self.store = store
+        self.loop = loop
+        self.deliver = deliver
+        self.sync_interval_s = sync_interval_s
+        self.max_batch = store.config.max_batch
+        self.inbox: queue.SimpleQueue[jobs.Job] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="mqd-bdb", daemon=True)
+        self._opened: asyncio.Future[dict[str, QueueSize]] | None = None
+        # Counters, for tests and stats.
+        self.batches = 0
+        self.jobs = 0
+        self.flushes = 0
+
+    # -- loop side -----------------------------------------------------------
+
+    async def start(self) -> dict[str, QueueSize]:
+        """Start the thread and open the store; the gauges of every queue."""
+        self._opened = self.loop.create_future()
+        self.thread.start()
+        return await self._opened
+
+    async def stop(self) -> None:
+        """Finish every job submitted so far, close the store, end the thread."""
+        done: asyncio.Future[None] = self.loop.create_future()
+        self.inbox.put((STOP, "", None, None, done))
+        try:
+            await done
+        finally:
+            await asyncio.to_thread(self.thread.join)
+
+    def submit(self, job: jobs.Job) -> None:
+        self.inbox.put(job)
+
+    def give_back(self, job: jobs.Job, value: Any) -> None:
+        """Undo a take or reserve whose result nobody will see."""
+        if isinstance(value, Message):
+            if job[0] == jobs.TAKE:
+                self.inbox.put((jobs.RESTORE, job[1], value, job[3], None))
+            elif job[0] == jobs.RESERVE:
+                self.inbox.put((jobs.RELEASE, job[1], value.offset, job[3], None))
+
+    # -- thread side ---------------------------------------------------------
+
+    def _post(self, callback: Callable[..., None], *args: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            log.warning("event loop closed before the storage worker could answer")
+
+    def _run(self) -> None:
+        opened = self._opened
+        assert opened is not None
+        try:
+            sizes = self.store.open()
+        except BaseException as exc:
+            self._post(_settle, opened, storage_error(exc), None)
+            return
+        self._post(_settle, opened, None, sizes)
+        self._serve()
+
+    def _serve(self) -> None:
+        store = self.store
+        inbox = self.inbox
+        periodic_due: float | None = None
+        next_check = 0.0
+        last_checkpoint = time.monotonic()
+        changed = False  # since the last checkpoint
+        while True:
+            if store.purges:
+                timeout: float | None = 0.0
+            else:
+                due = [periodic_due] if periodic_due is not None else []
+                if changed:
+                    due.append(next_check)
+                timeout = max(0.0, min(due) - time.monotonic()) if due else None
+            try:
+                if timeout is None:
+                    job: jobs.Job | None = inbox.get()
+                elif timeout <= 0:
+                    job = inbox.get_nowait()
+                else:
+                    job = inbox.get(timeout=timeout)
+            except queue.Empty:
+                job = None
+            try:
+                if job is not None:
+                    always, periodic, stop = self._batch(job)
+                    changed = True
+                    if periodic and periodic_due is None:
+                        periodic_due = time.monotonic() + self.sync_interval_s
+                    if always:
+                        periodic_due = None  # that flush covered the periodic writes too
+                    if stop is not None:
+                        self._close(stop)
+                        return
+                now = time.monotonic()
+                if periodic_due is not None and now >= periodic_due:
+                    periodic_due = None
+                    store.flush()
+                    self.flushes += 1
+                if changed and now >= next_check:
+                    next_check = now + CHECK_S
+                    force = now - last_checkpoint >= store.config.checkpoint_s
+                    store.checkpoint(force)
+                    if force:
+                        last_checkpoint = now
+                        changed = False
+                store.trim()
+                if job is None and store.purges:
+                    store.purge_step()
+            except Exception:
+                # Never let the thread die: the jobs of a batch were answered
+                # already; this is housekeeping, to be tried again.
+                log.exception("Berkeley DB housekeeping failed")
+                time.sleep(0.01)
+
+    def _batch(self, first: jobs.Job) -> tuple[bool, bool, jobs.Job | None]:
+        """Run one batch. (any ALWAYS job, any PERIODIC job, the STOP job if met)."""
+        inbox = self.inbox
+        stop: jobs.Job | None = None
+        batch: list[jobs.Job] = []
+        job = first
+        while True:
+            if job[0] == STOP:
+                stop = job
+                break
+            batch.append(job)
+            if len(batch) >= self.max_batch:
+                break
+            try:
+                job = inbox.get_nowait()
+            except queue.Empty:
+                break
+        always = periodic = False
+        for job in batch:
+            sync = job[3]
+            if sync is ALWAYS:
+                always = True
+            elif sync is PERIODIC:
+                periodic = True
+        results: list[jobs.Result] = []
+        published: dict[str, QueueSize | None] = {}
+        store = self.store
+        try:
+            if store.panicked:
+                published.update(store.reopen())
+                log.warning("Berkeley DB environment in %s recovered", store.data_dir)
+            store.execute(batch, results, published)
+        except Exception as exc:
+            error = storage_error(exc)
+            answered = {id(result[0]) for result in results}
+            results.extend((job, error, None) for job in batch if id(job) not in answered)
+        if always and batch:
+            try:
+                store.flush()
+                self.flushes += 1
+            except Exception as exc:
+                results = self._unflushed(results, storage_error(exc))
+        self.batches += 1
+        self.jobs += len(batch)
+        if results or published:
+            self._post(self.deliver, results, published)
+        return always, periodic, stop
+
+    def _unflushed(self, results: list[jobs.Result], error: BaseException) -> list[jobs.Result]:
+        """The log could not be synced: fail the ALWAYS jobs, undoing their takes."""
+        failed: list[jobs.Result] = []
+        for job, exc, value in results:
+            if job[3] is ALWAYS and exc is None:
+                self.give_back(job, value)
+                failed.append((job, error, None))
+            else:
+                failed.append((job, exc, value))
+        return failed
+
+    def _close(self, stop: jobs.Job) -> None:
+        error: BaseException | None = None
+        try:
+            self.store.close()
+        except Exception as exc:
+            error = storage_error(exc)
+        if stop[4] is not None:
+            self._post(_settle, stop[4], error, None)
+
+
+def _settle(future: asyncio.Future[Any], error: BaseException | None, value: Any) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
