@@ -1,0 +1,256 @@
+"""What the benchmark scripts share: servers they start and stop, free loopback
+ports, a process's resident memory, a daemon's `stats`, and result tables.
+
+Every server is started on 127.0.0.1 on a port the kernel just handed out,
+with its files in a temporary directory, and is stopped (TERM, then KILL)
+when its `with` block ends, also on errors and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+from loadgen import LoadResult, LoadSpec, run_load
+from rich.console import Console
+from rich.table import Table
+
+HOST = "127.0.0.1"
+# Wide enough for the result tables also when output goes to a file or CI log.
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+def free_port() -> int:
+    """A TCP port on the loopback address that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process `pid` (VmRSS), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def find_mqd(explicit: str | None = None) -> str:
+    """The mqd executable: `explicit`, else the one beside this Python, else PATH."""
+    if explicit:
+        return explicit
+    beside = Path(sys.executable).parent / "mqd"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mqd")
+    if not found:
+        raise SystemExit("mqd not found: install the project (pip install -e .) or pass --mqd")
+    return found
+
+
+def mqd_serve_flags(mqd: str) -> set[str]:
+    """The long options `mqd serve` accepts, so optional ones are used only if offered."""
+    out = subprocess.run(
+        [mqd, "serve", "--help"], capture_output=True, text=True, timeout=60, check=False
+    ).stdout
+    return {tok.rstrip(",") for tok in out.split() if tok.startswith("--")}
+
+
+class Server:
+    """A server process started for one benchmark and stopped after it.
+
+    `argv` may contain "{port}" and "{dir}", filled with a free port and a
+    fresh temporary directory (removed afterwards). `files` are written into
+    that directory as they are.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        ready_timeout: float = 30.0,
+        files: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.port = free_port()
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"bench-{name}-")
+        self.dir = Path(self._tmp.name)
+        for rel, text in (files or {}).items():
+            (self.dir / rel).write_text(text)
+        self.argv = [a.format(port=self.port, dir=self.dir) for a in argv]
+        self.ready_timeout = ready_timeout
+        self._log = open(self.dir / "server.log", "w+b")  # noqa: SIM115 (closed in stop)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> Server:
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=self.dir,
+            start_new_session=True,  # a Ctrl-C on the terminal reaches us, not it
+        )
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited at start-up:\n{self.log_tail()}")
+            try:
+                with socket.create_connection((HOST, self.port), timeout=1) as probe:
+                    # While nothing listens, a probe whose own ephemeral port
+                    # happens to be the target connects to itself: not ready.
+                    if probe.getsockname()[1] != self.port:
+                        return self
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.name} did not listen on port {self.port}")
+            time.sleep(0.05)
+
+    def log_tail(self, n: int = 4000) -> str:
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+        self._tmp.cleanup()
+
+    def state(self) -> str:
+        """A line on whether the process still runs, with its log's tail if not."""
+        if self.proc is None:
+            return "not started"
+        rc = self.proc.poll()
+        if rc is None:
+            return f"pid {self.pid} still running on port {self.port}"
+        return f"exited with {rc}; log:\n{self.log_tail()}"
+
+    def rss(self) -> int:
+        return rss_bytes(self.pid)
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def checked_load(server: Server, spec: LoadSpec) -> LoadResult:
+    """run_load(spec) against `server`; any failure raises with the server's state."""
+    try:
+        res = run_load(spec)
+    except OSError as exc:
+        raise RuntimeError(f"{server.name}: {exc}; {server.state()}") from exc
+    if res.errors:
+        raise RuntimeError(f"{server.name}: {res.errors[0]}; {server.state()}")
+    return res
+
+
+def memcached(threads: int = 1) -> Server:
+    """memcached on loopback; -U 0: no UDP listener (nothing may listen beyond TCP)."""
+    argv = ["memcached", "-l", HOST, "-p", "{port}", "-t", str(threads), "-U", "0", "-m", "1024"]
+    if os.geteuid() == 0:
+        argv += ["-u", "nobody"]  # memcached refuses to run as root without -u
+    return Server("memcached", argv)
+
+
+def mqd(
+    backend: str,
+    *,
+    exe: str | None = None,
+    loop: str | None = None,
+    config: str | None = None,
+    name: str | None = None,
+) -> Server:
+    """An mqd daemon with `backend`, its data directory a fresh temporary one.
+
+    `config`, if given, is TOML text written to the temporary directory and
+    passed with --config.
+    """
+    binary = find_mqd(exe)
+    argv = [binary, "serve", "--backend", backend, "--listen", HOST, "--port", "{port}"]
+    argv += ["--data-dir", "{dir}/data", "--log-level", "warning"]
+    if loop:
+        argv += ["--loop", loop]
+    files = {}
+    if config is not None:
+        files["mqd.toml"] = config
+        argv += ["--config", "{dir}/mqd.toml"]
+    return Server(name or f"mqd-{backend}", argv, files=files)
+
+
+def text_command(port: int, request: bytes, end: bytes, timeout: float = 30.0) -> bytes:
+    """Send one request on a fresh connection and read until the reply ends with `end`."""
+    with socket.create_connection((HOST, port), timeout=timeout) as s:
+        s.sendall(request)
+        buf = b""
+        while not buf.endswith(end):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+        return buf
+
+
+def memcache_stats(port: int) -> dict[str, str]:
+    """The `stats` lines of a memcached-protocol server, as a dict."""
+    raw = text_command(port, b"stats\r\n", b"END\r\n")
+    out = {}
+    for line in raw.decode(errors="replace").splitlines():
+        parts = line.split(" ", 2)
+        if len(parts) == 3 and parts[0] == "STAT":
+            out[parts[1]] = parts[2]
+    return out
+
+
+def fmt_rate(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def fmt_ms(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def fmt_ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b else "-"
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """A table on the terminal; plain text when output is not a terminal."""
+    # The title goes on its own line: as a table title it would wrap to the
+    # width of a narrow table.
+    console.print(f"\n[bold]{title}[/bold]")
+    table = Table()
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
