@@ -158,9 +158,9 @@ class Broker:
         self.counters.cmd_set += 1
         queue = command.queue
         settings = self.settings(queue)
-        unique = command.command == "add" or settings.unique
+        unique = command.add or settings.unique
         if unique and not self._unique:
-            feature = "add" if command.command == "add" else "unique"
+            feature = "add" if command.add else "unique"
             raise NotSupported(feature, self.backend.name)
         if len(command.body) > settings.max_item_size:
             raise ServerError(protocol.TOO_LARGE)
@@ -180,7 +180,7 @@ class Broker:
         else:
             offset = await self.backend.put(queue, message, unique=unique, sync=settings.sync)
         if offset is None:  # the body is already in the queue
-            return NOT_STORED if command.command == "add" else STORED
+            return NOT_STORED if command.add else STORED
         self._counters(queue).enqueued += 1
         self._wake(queue)
         return STORED
@@ -210,6 +210,8 @@ class Broker:
     async def retrieve(self, command: Retrieve, session: Session) -> bytes:
         """`get` or `gets`, with every option and multiple keys."""
         keys = command.keys
+        if len(keys) == 1 and keys[0].plain:
+            return await self._retrieve_one(keys[0], command.with_ids)
         self._check_keys(keys, session)
         self.counters.cmd_get += len(keys)
         loop = asyncio.get_running_loop()
@@ -237,10 +239,26 @@ class Broker:
         out.append(END)
         return b"".join(out)
 
+    async def _retrieve_one(self, key: Key, with_ids: bool) -> bytes:
+        """`get <queue>`: what most consumers send, without the general machinery."""
+        counters = self.counters
+        counters.cmd_get += 1
+        message = await self._take(key.queue)
+        if message is None:
+            counters.get_misses += 1
+            return END
+        counters.get_hits += 1
+        return (
+            protocol.value(
+                key.raw, message.flags, message.body, message.offset if with_ids else None
+            )
+            + END
+        )
+
     def _wait_of(self, key: Key) -> float:
         return min((key.wait_ms or 0) / 1000, self.config.max_wait)
 
-    def _check_keys(self, keys: tuple[Key, ...], session: Session) -> None:
+    def _check_keys(self, keys: list[Key], session: Session) -> None:
         opening: set[str] = set()
         for key in keys:
             if key.at is not None and Capability.OFFSET not in self.backend.capabilities:

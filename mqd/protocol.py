@@ -41,17 +41,16 @@ UNSUPPORTED_STORAGE = frozenset({b"replace", b"append", b"prepend", b"cas"})
 UNSUPPORTED_OTHER = frozenset({b"incr", b"decr", b"touch", b"gat", b"gats"})
 
 _BAD_NAME_BYTE = re.compile(rb"[\x00-\x20\x7f/+]")
-_INT = re.compile(rb"-?[0-9]+")
 
 
 # -- commands -----------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Store:
-    """`set` or `add`: enqueue `body` on `queue`."""
+    """`set` or `add` (add=True): enqueue `body` on `queue`."""
 
-    command: str
+    add: bool
     queue: str
     flags: int
     exptime: int
@@ -71,13 +70,14 @@ class Key:
     abort: bool = False
     peek: bool = False
     at: int | None = None
+    plain: bool = False  # no options at all: the common case, the broker's fast path
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Retrieve:
     """`get` or `gets` (with_ids) of one or more keys."""
 
-    keys: tuple[Key, ...]
+    keys: list[Key]
     with_ids: bool
 
 
@@ -150,12 +150,21 @@ def _bad(noreply: bool = False) -> Failed:
 # -- tokens -------------------------------------------------------------------
 
 
-def _number(token: bytes, low: int, high: int) -> int | None:
-    """`token` as an integer in [low, high], or None."""
-    if not _INT.fullmatch(token):
+def _unsigned(token: bytes, high: int) -> int | None:
+    """`token` as an integer in [0, high], or None."""
+    if not token.isdigit():
         return None
     value = int(token)
-    return value if low <= value <= high else None
+    return value if value <= high else None
+
+
+def _signed(token: bytes) -> int | None:
+    """`token` as a 64-bit signed integer, or None."""
+    digits = token[1:] if token[:1] == b"-" else token
+    if not digits.isdigit():
+        return None
+    value = int(token)
+    return value if -(2**63) <= value < 2**63 else None
 
 
 def queue_name(raw: bytes) -> str | None:
@@ -188,7 +197,7 @@ def parse_key(raw: bytes) -> Key | None:
     if queue is None:
         return None
     if not slash:
-        return Key(raw, queue)
+        return Key(raw, queue, plain=True)
     seen: set[str] = set()
     fields: dict[str, object] = {}
     for option in rest.split(b"/"):
@@ -197,9 +206,9 @@ def parse_key(raw: bytes) -> Key | None:
         if flag is not None:
             key, value = flag, True
         elif option.startswith(b"t="):
-            key, value = "wait_ms", _number(option[2:], 0, 2**63)
+            key, value = "wait_ms", _unsigned(option[2:], 2**63)
         elif option.startswith(b"at="):
-            key, value = "at", _number(option[3:], 0, 2**63)
+            key, value = "at", _unsigned(option[3:], 2**63)
         else:
             return None
         if value is None or key in seen:
@@ -226,23 +235,35 @@ class Parser:
 
     def __init__(self, max_item_size: int = 1 << 20) -> None:
         self.max_item_size = max_item_size
-        self._buf = bytearray()
+        self._rest = b""  # input not yet consumed
+        self._chunks: list[bytes] = []  # a data block arriving in pieces
+        self._have = 0  # bytes in _rest and _chunks together
         self._need = 0  # bytes of data block (with its \r\n) still to come
-        self._store: tuple[str, str, int, int, bool] | None = None
+        self._store: tuple[bool, str, int, int, bool] | None = None
         self._swallow = 0  # bytes still to discard
         self._after_swallow: Failed | None = None
         self.closed = False  # set after a fatal error; feed() then returns nothing
-        self._key_cache: dict[bytes, Key | None] = {}
+        # Keys and names are parsed once per connection (bounded: client-chosen).
+        self._keys: dict[bytes, Key | None] = {}
+        self._names: dict[bytes, str | None] = {}
 
     def feed(self, data: bytes) -> list[Command]:
         """Take more input and return every command it completes, in order."""
         if self.closed:
             return []
-        buf = self._buf
-        buf += data
+        if self._need and self._have + len(data) < self._need:
+            # Most of a large value: keep the pieces, join them once at the end.
+            self._chunks.append(data)
+            self._have += len(data)
+            return []
+        if self._chunks:
+            data = self._rest + b"".join(self._chunks) + data
+            self._chunks.clear()
+        elif self._rest:
+            data = self._rest + data
         out: list[Command] = []
         pos = 0
-        size = len(buf)
+        size = len(data)
         while pos < size:
             if self._swallow:
                 taken = min(self._swallow, size - pos)
@@ -258,46 +279,44 @@ class Parser:
                 end = pos + self._need
                 if end > size:
                     break
-                out.append(self._finish_store(buf, pos, end))
+                out.append(self._finish_store(data, pos, end))
                 pos = end
                 continue
-            newline = buf.find(b"\n", pos)
+            newline = data.find(b"\n", pos)
             if newline < 0:
-                if size - pos > self._line_limit(buf, pos):
-                    out.append(self._too_long())
-                    pos = size
+                if size - pos > MAX_LINE and size - pos > self._line_limit(data, pos):
+                    return [*out, self._too_long()]
                 break
-            if newline - pos > self._line_limit(buf, pos):
-                out.append(self._too_long())
-                pos = size
-                break
-            end = newline - 1 if newline > pos and buf[newline - 1] == 13 else newline
-            command = self._command(bytes(buf[pos:end]))
+            if newline - pos > MAX_LINE and newline - pos > self._line_limit(data, pos):
+                return [*out, self._too_long()]
+            end = newline - 1 if newline > pos and data[newline - 1] == 13 else newline
+            command = self._command(data[pos:end])
             if command is not None:
                 out.append(command)
             pos = newline + 1
-        del buf[:pos]
+        self._rest = data[pos:]
+        self._have = size - pos
         return out
 
     @staticmethod
-    def _line_limit(buf: bytearray, pos: int) -> int:
-        if buf.startswith(b"get ", pos) or buf.startswith(b"gets ", pos):
+    def _line_limit(data: bytes, pos: int) -> int:
+        if data.startswith(b"get ", pos) or data.startswith(b"gets ", pos):
             return MAX_GET_LINE
         return MAX_LINE
 
     def _too_long(self) -> Failed:
         self.closed = True
-        self._buf.clear()
+        self._rest = b""
         return Failed(ClientError(LINE_TOO_LONG), close=True)
 
-    def _finish_store(self, buf: bytearray, start: int, end: int) -> Command:
+    def _finish_store(self, data: bytes, start: int, end: int) -> Command:
         assert self._store is not None
-        command, queue, flags, exptime, noreply = self._store
+        add, queue, flags, exptime, noreply = self._store
         self._need = 0
         self._store = None
-        if buf[end - 2 : end] != b"\r\n":
+        if data[end - 2 : end] != b"\r\n":
             return Failed(ClientError(BAD_CHUNK), noreply)
-        return Store(command, queue, flags, exptime, bytes(buf[start : end - 2]), noreply)
+        return Store(add, queue, flags, exptime, data[start : end - 2], noreply)
 
     def _command(self, line: bytes) -> Command | None:
         tokens = line.split()
@@ -311,60 +330,60 @@ class Parser:
             return Failed(UnknownCommand())
         return handler(self, tokens)
 
+    def _name(self, raw: bytes) -> str | None:
+        names = self._names
+        try:
+            return names[raw]
+        except KeyError:
+            name = queue_name(raw)
+            if len(names) < 4096:
+                names[raw] = name
+            return name
+
     def _storage(self, tokens: list[bytes]) -> Command | None:
         """Start a storage command; its reply waits for the data block, so None."""
-        name = tokens[0]
         noreply = tokens[-1] == b"noreply"
-        nbytes = _number(tokens[4], 0, MAX_BYTES_FIELD) if len(tokens) > 4 else None
+        nbytes = _unsigned(tokens[4], MAX_BYTES_FIELD) if len(tokens) > 4 else None
         if nbytes is None:
             return _bad(noreply)
-        error = self._storage_error(tokens, nbytes, noreply)
+        error: ProtocolError | None = None
+        verb = tokens[0]
+        if verb in UNSUPPORTED_STORAGE:
+            error = ClientError(f"{verb.decode()} not supported")
+        elif len(tokens) != 5 + noreply:
+            error = ClientError(BAD_FORMAT)
+        else:
+            queue = self._name(tokens[1])
+            flags = _unsigned(tokens[2], MAX_FLAGS)
+            exptime = _signed(tokens[3])
+            if queue is None or flags is None or exptime is None:
+                error = ClientError(BAD_FORMAT)
+            elif nbytes > self.max_item_size:
+                error = ServerError(TOO_LARGE)
         if error is not None:
             self._swallow = nbytes + 2
             self._after_swallow = Failed(error, noreply)
             return None
-        queue = queue_name(tokens[1])
-        flags = int(tokens[2])
-        exptime = int(tokens[3])
-        assert queue is not None
-        self._store = (name.decode(), queue, flags, exptime, noreply)
+        self._store = (verb == b"add", queue, flags, exptime, noreply)  # type: ignore[assignment]
         self._need = nbytes + 2
-        return None
-
-    def _storage_error(
-        self, tokens: list[bytes], nbytes: int, noreply: bool
-    ) -> ProtocolError | None:
-        name = tokens[0]
-        if name in UNSUPPORTED_STORAGE:
-            return ClientError(f"{name.decode()} not supported")
-        if len(tokens) not in (5, 6) or (len(tokens) == 6 and not noreply):
-            return ClientError(BAD_FORMAT)
-        if (
-            queue_name(tokens[1]) is None
-            or _number(tokens[2], 0, MAX_FLAGS) is None
-            or _number(tokens[3], -(2**63), 2**63) is None
-        ):
-            return ClientError(BAD_FORMAT)
-        if nbytes > self.max_item_size:
-            return ServerError(TOO_LARGE)
         return None
 
     def _retrieve(self, tokens: list[bytes]) -> Command:
         if len(tokens) < 2:
             return _bad()
-        cache = self._key_cache
+        cache = self._keys
         keys = []
         for raw in tokens[1:]:
             try:
                 key = cache[raw]
             except KeyError:
                 key = parse_key(raw)
-                if len(cache) < 4096:  # bounded: keys are client-chosen
+                if len(cache) < 4096:
                     cache[raw] = key
             if key is None:
                 return _bad()
             keys.append(key)
-        return Retrieve(tuple(keys), tokens[0] == b"gets")
+        return Retrieve(keys, tokens[0] == b"gets")
 
     def _delete(self, tokens: list[bytes]) -> Command:
         noreply = tokens[-1] == b"noreply"
@@ -372,7 +391,7 @@ class Parser:
         # memcached still accepts a legacy zero hold time: `delete <key> 0`.
         if len(tokens) < 2 or rest not in ([], [b"0"]):
             return _bad(noreply)
-        queue = queue_name(tokens[1])
+        queue = self._name(tokens[1])
         if queue is None:
             return _bad(noreply)
         return Delete(queue, noreply)
@@ -380,7 +399,7 @@ class Parser:
     def _flush_all(self, tokens: list[bytes]) -> Command:
         noreply = tokens[-1] == b"noreply"
         rest = tokens[1 : len(tokens) - noreply]
-        delay = _number(rest[0], 0, 2**63) if len(rest) == 1 else 0
+        delay = _unsigned(rest[0], 2**63) if len(rest) == 1 else 0
         if len(rest) > 1 or delay is None:
             return _bad(noreply)
         return FlushAll(delay, noreply)
@@ -393,7 +412,7 @@ class Parser:
 
     def _verbosity(self, tokens: list[bytes]) -> Command:
         noreply = tokens[-1] == b"noreply"
-        if len(tokens) != 2 + noreply or _number(tokens[1], 0, 2**63) is None:
+        if len(tokens) != 2 + noreply or _unsigned(tokens[1], 2**63) is None:
             return _bad(noreply)
         return Verbosity(noreply)
 

@@ -15,7 +15,7 @@ from mqd.testing.daemon import Daemon
 # One daemon serves most tests; each test uses its own queue names (see `q`).
 SHARED_CONFIG = """
 [server]
-max_wait = 5
+max_wait = 2
 allow_shutdown = false
 
 [queues."limited.*"]

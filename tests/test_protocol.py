@@ -33,20 +33,20 @@ def feed(data: bytes, max_item_size: int = 1 << 20) -> list[object]:
 
 def test_set_and_get() -> None:
     assert feed(b"set q 5 0 3\r\nabc\r\nget q\r\n") == [
-        Store("set", "q", 5, 0, b"abc", False),
-        Retrieve((Key(b"q", "q"),), False),
+        Store(False, "q", 5, 0, b"abc", False),
+        Retrieve([Key(b"q", "q", plain=True)], False),
     ]
 
 
 def test_bare_newline_and_noreply() -> None:
     assert feed(b"add q 0 -1 2 noreply\nab\r\ngets a b\n") == [
-        Store("add", "q", 0, -1, b"ab", True),
-        Retrieve((Key(b"a", "a"), Key(b"b", "b")), True),
+        Store(True, "q", 0, -1, b"ab", True),
+        Retrieve([Key(b"a", "a", plain=True), Key(b"b", "b", plain=True)], True),
     ]
 
 
 def test_body_may_hold_newlines() -> None:
-    assert feed(b"set q 0 0 4\r\n\r\n\r\n\r\n") == [Store("set", "q", 0, 0, b"\r\n\r\n", False)]
+    assert feed(b"set q 0 0 4\r\n\r\n\r\n\r\n") == [Store(False, "q", 0, 0, b"\r\n\r\n", False)]
 
 
 def test_options() -> None:
@@ -128,7 +128,7 @@ def test_too_large_is_discarded_as_it_arrives() -> None:
     assert parser.feed(b"set q 0 0 100000\r\n") == []
     for _ in range(10):
         assert parser.feed(b"x" * 10000) == []
-        assert len(parser._buf) == 0
+        assert parser._have == 0  # nothing kept
     assert parser.feed(b"\r\nversion\r\n") == [
         Failed(ServerError("object too large for cache")),
         Version(),
