@@ -1,27 +1,64 @@
-"""Shared by the Berkeley DB tests: the three backends, by name."""
+"""Shared by the Berkeley DB tests: the three backends by name, and a session runner."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
-from mqd.backend import Backend, StorageOptions
+from mqd.backend import Backend, Message, StorageOptions, Sync
 
 pytest.importorskip(
     "berkeleydb",
     reason="needs the berkeleydb module: apt-get install libdb5.3-dev; pip install -e plugins/bdb",
 )
 
-from mqd_bdb.backend import BdbBackend, BdbRandomBackend, BdbSingleBackend
+from mqd_bdb.backend import BdbBackend, BdbRandomBackend, BdbSingleBackend, _BdbBackend
 
-BACKENDS: dict[str, type[Backend]] = {
+T = TypeVar("T")
+
+ALWAYS = Sync.ALWAYS
+
+BACKENDS: dict[str, type[_BdbBackend]] = {
     "bdb": BdbBackend,
     "bdb-single": BdbSingleBackend,
     "bdb-random": BdbRandomBackend,
 }
+NAMES = list(BACKENDS)
+FIFO_NAMES = ["bdb", "bdb-single"]
 
 
-def make(name: str, data_dir: Path, **extra: Any) -> Backend:
-    return BACKENDS[name](StorageOptions(data_dir=data_dir, extra=extra))
+def make(name: str, data_dir: Path, sync_interval_ms: int = 1000, **extra: Any) -> _BdbBackend:
+    options = StorageOptions(data_dir=data_dir, sync_interval_ms=sync_interval_ms, extra=extra)
+    return BACKENDS[name](options)
+
+
+def session(
+    name: str, data_dir: Path, body: Callable[[_BdbBackend], Awaitable[T]], **extra: Any
+) -> T:
+    """Open backend `name` on `data_dir`, run `body` with it, close it."""
+
+    async def main() -> T:
+        backend = make(name, data_dir, **extra)
+        await backend.open()
+        try:
+            return await body(backend)
+        finally:
+            await backend.close()
+
+    return asyncio.run(main())
+
+
+async def put(backend: Backend, queue: str, body: bytes, sync: Sync = ALWAYS) -> int | None:
+    return await backend.put(queue, Message(body), unique=False, sync=sync)
+
+
+async def drain(backend: Backend, queue: str) -> list[Message]:
+    """Take every waiting message of `queue`."""
+    taken = []
+    while (message := await backend.take(queue, sync=ALWAYS)) is not None:
+        taken.append(message)
+    return taken

@@ -1,0 +1,170 @@
+"""Storage failures become StorageError for the call that met them; the rest goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bdb_helpers import ALWAYS, NAMES, drain, make, put, session
+from berkeleydb import db
+from mqd_bdb import jobs
+from mqd_bdb.backend import _BdbBackend
+from mqd_bdb.names import encode_name, file_stem
+
+from mqd.backend import Capability, Message
+from mqd.errors import ConfigError, StorageError
+
+
+def test_directory_in_the_way_of_a_new_queue(tmp_path: Path) -> None:
+    blocked = tmp_path / (file_stem(encode_name("blocked")) + ".btree")
+
+    async def body(b: _BdbBackend) -> None:
+        await put(b, "fine", b"1")
+        blocked.mkdir()
+        with pytest.raises(StorageError):
+            await put(b, "blocked", b"x")
+        assert await b.queues() == ["fine"]
+        assert await b.size("blocked") is None
+        # Other queues go on, in the same batch as a failing job too.
+        results = await asyncio.gather(
+            put(b, "fine", b"2"), put(b, "blocked", b"y"), put(b, "fine", b"3"),
+            return_exceptions=True,
+        )  # fmt: skip
+        assert results[0] == 1 and results[2] == 2
+        assert isinstance(results[1], StorageError)
+        blocked.rmdir()
+        assert await put(b, "blocked", b"z") == 0
+        assert [m.body for m in await drain(b, "fine")] == [b"1", b"2", b"3"]
+
+    session("bdb", tmp_path, body)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_failing_job_fails_alone(name: str, tmp_path: Path) -> None:
+    async def body(b: _BdbBackend) -> None:
+        store = b.worker.store
+        real = store._ops[jobs.PUT]
+
+        def flaky_put(txn: Any, queue: str, arg: tuple[Message, bool]) -> Any:
+            if arg[0].body == b"poison":
+                raise db.DBNoSpaceError(28, "No space left on device")
+            return real(txn, queue, arg)
+
+        store._ops[jobs.PUT] = flaky_put
+        bodies = [b"a", b"b", b"poison", b"c", b"d"]
+        results = await asyncio.gather(
+            *(put(b, "q", body) for body in bodies), return_exceptions=True
+        )
+        error = results[2]
+        assert isinstance(error, StorageError) and str(error) == "disk full"
+        assert [r for i, r in enumerate(results) if i != 2] == [0, 1, 2, 3]
+        size = await b.size("q")
+        assert size is not None and size.items == 4
+        got = [m.body for m in await drain(b, "q")]
+        if Capability.FIFO in b.capabilities:
+            assert got == [b"a", b"b", b"c", b"d"]
+        else:
+            assert sorted(got) == [b"a", b"b", b"c", b"d"]
+
+    session(name, tmp_path, body)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_panic_reopens_the_environment(name: str, tmp_path: Path) -> None:
+    async def body(b: _BdbBackend) -> None:
+        await put(b, "q", b"kept")
+        store = b.worker.store
+        real = store._ops[jobs.TAKE]
+        calls = 0
+
+        def panicking_take(txn: Any, queue: str, arg: None) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise db.DBRunRecoveryError(-30973, "DB_RUNRECOVERY: Fatal error, run recovery")
+            return real(txn, queue, arg)
+
+        store._ops[jobs.TAKE] = panicking_take
+        with pytest.raises(StorageError, match="needs recovery"):
+            await b.take("q", sync=ALWAYS)
+        assert await put(b, "q", b"after") == 1
+        assert [m.body for m in await drain(b, "q")] == [b"kept", b"after"]
+
+    session(name, tmp_path, body)
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str) -> Iterator[Path]:
+    path.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a full disk is simulated with a tmpfs mount: needs root")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)])
+    if made.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_full_disk_loses_nothing_acknowledged(name: str, tmp_path: Path) -> None:
+    with small_disk(tmp_path / "disk", "3m") as disk:
+
+        async def main() -> None:
+            b = make(name, disk / "data", log_file_mb=1, cache_mb=4)
+            await b.open()
+            acked = []
+            error: StorageError | None = None
+            try:
+                for i in range(10_000):
+                    body = b"%05d" % i + b"x" * 1000
+                    try:
+                        await put(b, "q", body)
+                    except StorageError as exc:
+                        error = exc
+                        break
+                    acked.append(body)
+                # A failed log write says so; a cache that cannot write out its
+                # dirty pages says I/O error.
+                assert error is not None and str(error) in ("disk full", "I/O error")
+                assert len(acked) > 100
+                # Reading still works; the worker is alive.
+                size = await b.size("q")
+                assert size is not None and size.items == len(acked)
+                head = await b.peek("q")
+                assert head is not None
+                subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+                got = [m.body for m in await drain(b, "q")]
+                if Capability.FIFO in b.capabilities:
+                    assert got[: len(acked)] == acked
+                else:
+                    assert set(acked) <= set(got)
+                assert len(got) - len(acked) <= 1  # the failed put may have landed
+            finally:
+                await b.close()
+
+        asyncio.run(main())
+
+
+def test_bad_options_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown key 'cache'"):
+        make("bdb", tmp_path, cache=3)
+    with pytest.raises(ConfigError, match="cache_mb must be an integer"):
+        make("bdb-single", tmp_path, cache_mb="big")
+    with pytest.raises(ConfigError, match="page_size"):
+        make("bdb-random", tmp_path, page_size=1000)
+    make("bdb", tmp_path, cache_mb=8, page_size=8192, checkpoint_s=5)
+
+
+def test_calls_before_open_fail_cleanly(tmp_path: Path) -> None:
+    b = make("bdb", tmp_path)
+    with pytest.raises(StorageError, match="not open"):
+        asyncio.run(b.take("q", sync=ALWAYS))

@@ -1,0 +1,187 @@
+"""Restarts, clean and by SIGKILL: reserved messages, counts and offsets survive."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from bdb_helpers import ALWAYS, FIFO_NAMES, NAMES, drain, put, session
+from mqd_bdb.backend import _BdbBackend
+
+from mqd.backend import Capability
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_restart_keeps_counts_reservations_and_offsets(name: str, tmp_path: Path) -> None:
+    async def first(b: _BdbBackend) -> tuple[list[int], int]:
+        for i in range(30):
+            await put(b, "a", b"a%d" % i)
+            await put(b, "b", b"b%d" % i)
+        reserved = []
+        for _ in range(4):
+            m = await b.reserve("a", lease=0, sync=ALWAYS)
+            assert m is not None
+            reserved.append(m.offset)
+        left = sum(len(b"b%d" % i) for i in range(30))
+        for _ in range(10):
+            m = await b.take("b", sync=ALWAYS)
+            assert m is not None
+            left -= len(m.body)
+        await put(b, "empty", b"x")
+        await b.take("empty", sync=ALWAYS)
+        return reserved, left
+
+    reserved, left = session(name, tmp_path, first)
+
+    async def second(b: _BdbBackend) -> None:
+        recovered = await b.recover()
+        assert sorted((q, m.offset) for q, m in recovered) == [("a", o) for o in sorted(reserved)]
+        assert all(m.deliveries == 1 for _, m in recovered)
+        assert sorted(await b.queues()) == ["a", "b", "empty"]
+        a, bb, empty = await b.size("a"), await b.size("b"), await b.size("empty")
+        assert a is not None and (a.items, a.open) == (30, 4)
+        assert bb is not None and (bb.items, bb.open, bb.bytes) == (20, 0, left)
+        assert empty is not None and (empty.items, empty.bytes, empty.open) == (0, 0, 0)
+        # Offsets continue; nothing handed out is reused.
+        assert await put(b, "a", b"new") == 30
+        assert await put(b, "empty", b"y") == 1
+        # Still reserved: only the 26 waiting ones come out.
+        rest = await drain(b, "a")
+        assert len(rest) == 27
+        assert not {m.offset for m in rest} & set(reserved)
+        for offset in reserved:
+            assert await b.release("a", offset, sync=ALWAYS) is True
+        again = await drain(b, "a")
+        assert sorted(m.offset for m in again) == sorted(reserved)
+        assert all(m.deliveries == 2 for m in again)
+        if Capability.FIFO in b.capabilities:
+            assert [m.offset for m in again] == sorted(reserved)
+
+    session(name, tmp_path, second)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_offsets_not_reused_after_emptying_and_restart(name: str, tmp_path: Path) -> None:
+    async def fill(b: _BdbBackend) -> None:
+        for i in range(5):
+            await put(b, "q", b"%d" % i)
+        assert len(await drain(b, "q")) == 5
+
+    async def next_offset(b: _BdbBackend) -> int | None:
+        offset = await put(b, "q", b"next")
+        assert len(await drain(b, "q")) == 1
+        return offset
+
+    session(name, tmp_path, fill)
+    assert session(name, tmp_path, next_offset) == 5
+    assert session(name, tmp_path, next_offset) == 6
+
+
+CHILD = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys
+    from pathlib import Path
+    from mqd.backend import Message, StorageOptions, Sync
+    from mqd_bdb.backend import BdbBackend, BdbRandomBackend, BdbSingleBackend
+
+    classes = {"bdb": BdbBackend, "bdb-single": BdbSingleBackend, "bdb-random": BdbRandomBackend}
+    name, data_dir = sys.argv[1], Path(sys.argv[2])
+
+    async def main():
+        b = classes[name](StorageOptions(data_dir=data_dir))
+        await b.open()
+        await b.recover()
+        async def producer(p):
+            for i in range(100):
+                body = b"%d-%d" % (p, i)
+                await b.put("q%d" % (p % 3), Message(body), unique=False, sync=Sync.ALWAYS)
+                print("put", p % 3, body.decode(), flush=True)
+        await asyncio.gather(*(producer(p) for p in range(6)))
+        for q in range(3):
+            for _ in range(20):
+                m = await b.take(f"q{q}", sync=Sync.ALWAYS)
+                print("take", q, m.body.decode(), flush=True)
+            m = await b.reserve(f"q{q}", lease=0, sync=Sync.ALWAYS)
+            print("reserve", q, m.body.decode(), m.offset, flush=True)
+        # Unsynced work in flight when the process dies may or may not land.
+        tasks = [asyncio.ensure_future(b.put("q0", Message(b"late%d" % i), unique=False,
+                 sync=Sync.NONE)) for i in range(50)]
+        await asyncio.sleep(0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sigkill_loses_nothing_acknowledged(name: str, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, name, str(tmp_path)],
+        capture_output=True,
+        timeout=60,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    acked: dict[int, set[str]] = {0: set(), 1: set(), 2: set()}
+    reserved: dict[int, tuple[str, int]] = {}
+    for line in proc.stdout.decode().splitlines():
+        kind, q, body, *rest = line.split()
+        if kind == "put":
+            acked[int(q)].add(body)
+        elif kind == "take":
+            acked[int(q)].discard(body)
+        else:
+            reserved[int(q)] = (body, int(rest[0]))
+    assert sum(len(v) for v in acked.values()) == 600 - 60
+
+    async def check(b: _BdbBackend) -> None:
+        recovered = await b.recover()
+        assert sorted((qn, m.body.decode(), m.offset) for qn, m in recovered) == sorted(
+            (f"q{q}", body, offset) for q, (body, offset) in reserved.items()
+        )
+        for q in range(3):
+            size = await b.size(f"q{q}")
+            assert size is not None
+            got = {m.body.decode() for m in await drain(b, f"q{q}")}
+            late = {body for body in got if body.startswith("late")}
+            assert got - late == acked[q] - {reserved[q][0]}
+            assert size.items == len(got) + 1 and size.open == 1
+            assert await put(b, f"q{q}", b"after") == 200 + (len(late) if q == 0 else 0)
+
+    session(name, tmp_path, check)
+
+
+@pytest.mark.parametrize("name", FIFO_NAMES)
+def test_read_at_and_peek_after_restart(name: str, tmp_path: Path) -> None:
+    async def first(b: _BdbBackend) -> None:
+        for i in range(3):
+            await put(b, "q", b"m%d" % i, sync=ALWAYS)
+        await b.reserve("q", lease=0, sync=ALWAYS)
+
+    async def second(b: _BdbBackend) -> None:
+        m = await b.read_at("q", 0)
+        assert m is not None and m.body == b"m0" and m.deliveries == 1
+        head = await b.peek("q")
+        assert head is not None and head.body == b"m1"
+
+    session(name, tmp_path, first)
+    session(name, tmp_path, second)
+
+
+def test_data_dir_in_use_is_refused(tmp_path: Path) -> None:
+    async def body(b: _BdbBackend) -> None:
+        from bdb_helpers import make
+
+        from mqd.errors import StorageError
+
+        other = make("bdb", tmp_path)
+        with pytest.raises(StorageError, match="in use"):
+            await other.open()
+
+    session("bdb", tmp_path, body)
+    assert os.path.exists(tmp_path / "LOCK")
