@@ -58,7 +58,7 @@ class Config:
     loop: str = "auto"
     shutdown_timeout: float = 10.0
     # [storage]
-    backend: str = "memory"
+    backend: str = "bdb"
     data_dir: Path = Path("data")
     sync_interval_ms: int = 1000
     backend_options: dict[str, Any] = field(default_factory=dict)

@@ -176,7 +176,7 @@ def test_flags_and_environment_override_the_file(tmp_path: Path) -> None:
     config.write_text("[server]\nport = 1\n")
     port = str(Daemon(tmp_path).port)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mqd", "serve", "--config", str(config)],
+        [sys.executable, "-m", "mqd", "serve", "--config", str(config), "--backend", "memory"],
         env={**os.environ, "MQD_PORT": port},
         stderr=subprocess.PIPE,
     )

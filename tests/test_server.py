@@ -1,0 +1,117 @@
+"""The server and broker in process, with a fake transport collecting writes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mqd.backend import Capability, StorageOptions
+from mqd.backends.memory import MemoryBackend
+from mqd.config import Config
+from mqd.server import Connection, Server
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.written = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class FifoOnly(MemoryBackend):
+    name = "fifo-only"
+    capabilities = frozenset({Capability.FIFO})
+
+
+async def converse(
+    chunks: list[bytes], backend: MemoryBackend | None = None, **config: Any
+) -> bytes:
+    """Feed `chunks` to one connection of an in-process server; return what it wrote."""
+    server = Server(Config(backend="memory", **config), backend or MemoryBackend(StorageOptions()))
+    server.loop = asyncio.get_running_loop()
+    await server.broker.start()
+    connection = Connection(server)
+    transport = FakeTransport()
+    connection.connection_made(transport)  # type: ignore[arg-type]
+    for chunk in chunks:
+        connection.data_received(chunk)
+        while connection.task is not None:
+            await asyncio.sleep(0.001)
+    return bytes(transport.written)
+
+
+def talk(chunks: list[bytes], **kwargs: Any) -> bytes:
+    return asyncio.run(converse(chunks, **kwargs))
+
+
+def test_missing_capability_is_a_clear_error() -> None:
+    backend = FifoOnly(StorageOptions())
+    reply = talk([b"add q 0 0 1\r\nx\r\nget q/at=0\r\nset q 0 0 1\r\ny\r\n"], backend=backend)
+    assert reply == (
+        b"SERVER_ERROR add not supported by backend fifo-only\r\n"
+        b"SERVER_ERROR at not supported by backend fifo-only\r\n"
+        b"STORED\r\n"
+    )
+
+
+def test_unique_queue_on_a_backend_without_uniqueness() -> None:
+    backend = FifoOnly(StorageOptions())
+    reply = talk([b"set u 0 0 1\r\nx\r\n"], backend=backend, queues=(("u", {"unique": True}),))
+    assert reply == b"SERVER_ERROR unique not supported by backend fifo-only\r\n"
+
+
+def test_quit_closes_after_earlier_replies() -> None:
+    reply = talk([b"version\r\nquit\r\nversion\r\n"])
+    assert reply == b"VERSION 0.1.0\r\n"
+
+
+stream_parts = st.sampled_from(
+    [
+        b"set a 1 0 3\r\nabc\r\n",
+        b"set b 0 0 0\r\n\r\n",
+        b"add a 0 0 3\r\nabc\r\n",
+        b"get a\r\n",
+        b"gets a b\r\n",
+        b"get a/open\r\n",
+        b"get a/close\r\n",
+        b"get a/abort\r\n",
+        b"get b/peek\r\n",
+        b"get a/at=1\r\n",
+        b"delete b\r\n",
+        b"set a 0 0 1\r\nxyz",
+        b"bogus\r\n",
+        b"incr a 1\r\n",
+        b"append a 0 0 2\r\nzz\r\n",
+        b"set a 0 0 1 noreply\r\nq\r\n",
+        b"stats queues\r\n",
+        b"version\n",
+    ]
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(stream_parts, min_size=1, max_size=15), st.data())
+def test_any_split_gives_the_same_replies(parts: list[bytes], data: st.DataObject) -> None:
+    whole = b"".join(parts)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(whole)), max_size=6)))
+    chunks = [whole[a:b] for a, b in zip([0, *cuts], [*cuts, len(whole)], strict=True)]
+    # stats lines carry ages; drop them from the comparison.
+    assert _stable(talk([whole])) == _stable(talk(chunks))
+
+
+def _stable(reply: bytes) -> bytes:
+    return b"\n".join(line for line in reply.split(b"\n") if b"_age_ms" not in line)
