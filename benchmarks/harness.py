@@ -9,6 +9,7 @@ when its `with` block ends, also on errors and Ctrl-C.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -26,14 +27,60 @@ from rich.table import Table
 
 HOST = "127.0.0.1"
 # Wide enough for the result tables also when output goes to a file or CI log.
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+console = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 160)
 
 
 def free_port() -> int:
-    """A TCP port on the loopback address that nothing listens on right now."""
-    with socket.socket() as s:
+    """A TCP port on the loopback address that nothing is bound to right now.
+
+    Drawn below the kernel's ephemeral range (32768 and up), which every
+    client socket and every bind to port 0 on the machine draws from: other
+    programs' tests running at the same time then rarely land on it in the
+    moment before our server binds it.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded range: let the kernel choose
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
+
+
+def listens(pid: int, port: int) -> bool:
+    """Whether process `pid` itself has a listening TCP socket on `port`.
+
+    Connecting is not proof: if another program took the port first, our
+    server fails to bind while a probe reaches the other program.
+    """
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    if not inodes:
+        return False
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def rss_bytes(pid: int) -> int:
@@ -80,10 +127,13 @@ class Server:
         *,
         ready_timeout: float = 30.0,
         files: dict[str, str] | None = None,
+        base_dir: str | None = None,
     ) -> None:
         self.name = name
         self.port = free_port()
-        self._tmp = tempfile.TemporaryDirectory(prefix=f"bench-{name}-")
+        # base_dir picks the disk: durability figures depend on it, so a
+        # user can point it at the disk the real queues would live on.
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"bench-{name}-", dir=base_dir)
         self.dir = Path(self._tmp.name)
         for rel, text in (files or {}).items():
             (self.dir / rel).write_text(text)
@@ -110,14 +160,8 @@ class Server:
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited at start-up:\n{self.log_tail()}")
-            try:
-                with socket.create_connection((HOST, self.port), timeout=1) as probe:
-                    # While nothing listens, a probe whose own ephemeral port
-                    # happens to be the target connects to itself: not ready.
-                    if probe.getsockname()[1] != self.port:
-                        return self
-            except OSError:
-                pass
+            if listens(self.proc.pid, self.port):
+                return self
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"{self.name} did not listen on port {self.port}")
@@ -145,7 +189,7 @@ class Server:
             return "not started"
         rc = self.proc.poll()
         if rc is None:
-            return f"pid {self.pid} still running on port {self.port}"
+            return f"pid {self.pid} still running on port {self.port}; log:\n{self.log_tail(2000)}"
         return f"exited with {rc}; log:\n{self.log_tail()}"
 
     def rss(self) -> int:
@@ -189,6 +233,7 @@ def mqd(
     loop: str | None = None,
     config: str | None = None,
     name: str | None = None,
+    base_dir: str | None = None,
 ) -> Server:
     """An mqd daemon with `backend`, its data directory a fresh temporary one.
 
@@ -200,11 +245,11 @@ def mqd(
     argv += ["--data-dir", "{dir}/data", "--log-level", "warning"]
     if loop:
         argv += ["--loop", loop]
-    files = {}
+    files: dict[str, str] = {}
     if config is not None:
         files["mqd.toml"] = config
         argv += ["--config", "{dir}/mqd.toml"]
-    return Server(name or f"mqd-{backend}", argv, files=files)
+    return Server(name or f"mqd-{backend}", argv, files=files, base_dir=base_dir)
 
 
 def text_command(port: int, request: bytes, end: bytes, timeout: float = 30.0) -> bytes:
@@ -247,7 +292,8 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]
     """A table on the terminal; plain text when output is not a terminal."""
     # The title goes on its own line: as a table title it would wrap to the
     # width of a narrow table.
-    console.print(f"\n[bold]{title}[/bold]")
+    console.print()
+    console.print(title, style="bold")
     table = Table()
     for i, col in enumerate(columns):
         table.add_column(col, justify="left" if i == 0 else "right")

@@ -1,0 +1,345 @@
+"""Durable backends benchmark: mqd's Berkeley DB backends against Redis lists
+and beanstalkd, all writing to disk, in one run.
+
+Systems, each started in turn on a free loopback port with a fresh temporary
+data directory and stopped before the next one starts (so none of them
+competes with another for the disk):
+
+  mqd bdb            sync = "always"   (STORED after the flush; group commit)
+  mqd bdb            sync = "periodic" (flushed every sync_interval_ms = 1000)
+  mqd bdb-single     sync = "always"
+  mqd bdb-random     sync = "always"
+  redis always       appendonly yes, appendfsync always;   LPUSH / RPOP
+  redis everysec     appendonly yes, appendfsync everysec; LPUSH / RPOP
+  beanstalkd -f 0    binlog, fsync after every write;      put / reserve+delete
+
+For each: enqueue throughput of 16 producer connections, each waiting for its
+reply before sending the next message (how a producer that needs the ack
+behaves), then 16 consumers draining what was stored. The table gives the
+enqueue ratios against Redis (appendfsync always) and beanstalkd -f 0.
+
+With --depth N, also: throughput of enqueue+dequeue pairs on an empty queue,
+then the same after filling the queue with N messages, and the daemon's RSS
+at that depth.
+
+Usage: python benchmarks/run_bdb.py [--quick] [--duration S] [--depth 10000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from harness import (
+    HOST,
+    Server,
+    checked_load,
+    console,
+    find_mqd,
+    fmt_ms,
+    fmt_rate,
+    fmt_ratio,
+    memcache_stats,
+    mqd,
+    mqd_serve_flags,
+    print_table,
+)
+from loadgen import LoadResult, LoadSpec
+
+REDIS_ALWAYS = "redis always"
+BEANSTALKD = "beanstalkd -f 0"
+
+
+def mqd_config(sync: str, interval_ms: int = 1000) -> str:
+    """TOML for a daemon whose every queue has `sync`."""
+    return f'[storage]\nsync_interval_ms = {interval_ms}\n\n[queues."*"]\nsync = "{sync}"\n'
+
+
+@dataclass
+class Options:
+    duration: float
+    connections: int
+    pipeline: int
+    loop: str | None
+    exe: str
+    base_dir: str | None
+    size: int
+    depth: int
+    depth_backend: str
+    depth_sync: str
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    wire: str
+    start: Callable[[Options], Server]
+    note: str
+
+
+def _mqd(backend: str, sync: str) -> Callable[[Options], Server]:
+    def start(o: Options) -> Server:
+        return mqd(
+            backend,
+            exe=o.exe,
+            loop=o.loop,
+            config=mqd_config(sync),
+            name=f"mqd-{backend}-{sync}",
+            base_dir=o.base_dir,
+        )
+
+    return start
+
+
+def _redis(fsync: str) -> Callable[[Options], Server]:
+    def start(o: Options) -> Server:
+        argv = ["redis-server", "--bind", HOST, "--port", "{port}", "--dir", "{dir}"]
+        # No RDB snapshots: the append-only file is the durability under test.
+        argv += ["--save", "", "--appendonly", "yes", "--appendfsync", fsync]
+        return Server(f"redis-{fsync}", argv, base_dir=o.base_dir)
+
+    return start
+
+
+def _beanstalkd(o: Options) -> Server:
+    argv = ["beanstalkd", "-l", HOST, "-p", "{port}", "-b", "{dir}", "-f", "0"]
+    return Server("beanstalkd", argv, base_dir=o.base_dir)
+
+
+SYSTEMS = [
+    System("mqd bdb always", "memcache", _mqd("bdb", "always"), 'sync = "always"'),
+    System("mqd bdb periodic", "memcache", _mqd("bdb", "periodic"), 'sync = "periodic", 1000 ms'),
+    System("mqd bdb-single", "memcache", _mqd("bdb-single", "always"), 'sync = "always"'),
+    System("mqd bdb-random", "memcache", _mqd("bdb-random", "always"), 'sync = "always"'),
+    System(REDIS_ALWAYS, "resp", _redis("always"), "appendonly, appendfsync always"),
+    System("redis everysec", "resp", _redis("everysec"), "appendonly, appendfsync everysec"),
+    System(BEANSTALKD, "beanstalk", _beanstalkd, "binlog, fsync every write"),
+]
+
+
+@dataclass
+class Row:
+    system: System
+    enqueue: LoadResult
+    dequeue: LoadResult
+
+
+def measure(system: System, o: Options) -> Row:
+    """Start `system`, run the producers then the consumers, stop it."""
+    with system.start(o) as srv:
+        base = LoadSpec(
+            host=HOST,
+            port=srv.port,
+            wire=system.wire,
+            connections=o.connections,
+            depth=o.pipeline,
+            duration=o.duration,
+            queue="bench",
+            size=o.size,
+        )
+        # A short warm-up on another queue: files created, caches touched.
+        checked_load(
+            srv, replace(base, workload="queue", duration=min(1.0, o.duration), queue="warm")
+        )
+        enq = checked_load(srv, replace(base, workload="set"))
+        # Bounded by what was stored, so every get finds a message.
+        deq = checked_load(srv, replace(base, workload="get", ops=enq.ops))
+    console.print(f"  {system.name}: enqueue {enq.summary()}")
+    console.print(f"  {' ' * len(system.name)}  dequeue {deq.summary()}")
+    return Row(system, enq, deq)
+
+
+def comparison(rows: list[Row], o: Options) -> None:
+    by_name = {r.system.name: r for r in rows}
+    redis = by_name.get(REDIS_ALWAYS)
+    bean = by_name.get(BEANSTALKD)
+    table = []
+    for r in rows:
+        table.append(
+            [
+                r.system.name,
+                r.system.note,
+                fmt_rate(r.enqueue.ops_per_s),
+                fmt_ms(r.enqueue.p50),
+                fmt_ms(r.enqueue.p99),
+                fmt_rate(r.dequeue.ops_per_s),
+                fmt_ms(r.dequeue.p50),
+                fmt_ms(r.dequeue.p99),
+                fmt_ratio(r.enqueue.ops_per_s, redis.enqueue.ops_per_s) if redis else "-",
+                fmt_ratio(r.enqueue.ops_per_s, bean.enqueue.ops_per_s) if bean else "-",
+            ]
+        )
+    print_table(
+        f"{o.connections} producers then {o.connections} consumers, {o.pipeline} command(s) "
+        f"per write, {o.size}-byte messages; latency = one round trip (beanstalkd's dequeue: "
+        "reserve then delete), ms",
+        [
+            "system",
+            "durability",
+            "enqueue/s",
+            "p50",
+            "p99",
+            "dequeue/s",
+            "p50",
+            "p99",
+            "enq vs redis always",
+            "enq vs beanstalkd",
+        ],
+        table,
+    )
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            # A log file may be removed while we walk.
+            with contextlib.suppress(FileNotFoundError):
+                total += (Path(root) / f).stat().st_size
+    return total
+
+
+def depth_test(o: Options) -> None:
+    """Throughput on an empty queue, then with `o.depth` messages queued."""
+    queue = "deep"
+    with mqd(
+        o.depth_backend,
+        exe=o.exe,
+        loop=o.loop,
+        config=mqd_config(o.depth_sync),
+        name=f"mqd-{o.depth_backend}-depth",
+        base_dir=o.base_dir,
+    ) as srv:
+        pairs = LoadSpec(
+            host=HOST,
+            port=srv.port,
+            workload="queue",
+            connections=o.connections,
+            depth=o.pipeline,
+            duration=o.duration,
+            queue=queue,
+            size=o.size,
+        )
+        checked_load(srv, replace(pairs, duration=min(1.0, o.duration), queue="warm"))
+        empty = checked_load(srv, pairs)
+        rss_empty = srv.rss()
+        console.print(f"  empty queue: {empty.summary()}")
+        t0 = time.monotonic()
+        fill = checked_load(
+            srv,
+            LoadSpec(
+                host=HOST,
+                port=srv.port,
+                workload="set",
+                connections=8,
+                depth=64,
+                duration=None,
+                ops=o.depth,
+                queue=queue,
+                size=o.size,
+                max_seconds=4 * 3600,
+            ),
+        )
+        console.print(f"  filled {o.depth:,} in {time.monotonic() - t0:.0f} s: {fill.summary()}")
+        items = memcache_stats(srv.port).get(f"queue_{queue}_items", "?")
+        deep = checked_load(srv, pairs)
+        console.print(f"  {items} queued: {deep.summary()}")
+        rss_deep = srv.rss()
+        disk = _dir_bytes(srv.dir / "data")
+    print_table(
+        f"depth: {o.depth_backend} sync = {o.depth_sync}, enqueue+dequeue pairs, "
+        f"{o.connections} connections x {o.pipeline} deep (target: within 10%; RSS < 100 MB)",
+        ["queue", "items", "ops/s", "p50", "p99", "daemon RSS MB", "data on disk MB"],
+        [
+            [
+                "empty",
+                "0",
+                fmt_rate(empty.ops_per_s),
+                fmt_ms(empty.p50),
+                fmt_ms(empty.p99),
+                f"{rss_empty / 2**20:.1f}",
+                "",
+            ],
+            [
+                f"{o.depth:,} deep",
+                items,
+                fmt_rate(deep.ops_per_s),
+                fmt_ms(deep.p50),
+                fmt_ms(deep.p99),
+                f"{rss_deep / 2**20:.1f}",
+                f"{disk / 2**20:.0f}",
+            ],
+        ],
+    )
+    console.print(
+        f"deep/empty throughput: {fmt_ratio(deep.ops_per_s, empty.ops_per_s)}; "
+        f"fill rate {fmt_rate(fill.ops_per_s)} msgs/s (8 connections x 64 deep)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the comparison (and the depth test if asked) and print the tables."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="short runs (CI smoke check)")
+    p.add_argument("--duration", type=float, default=None, help="seconds per run (default 10)")
+    p.add_argument("--connections", type=int, default=16)
+    p.add_argument("--pipeline", type=int, default=1, help="commands per write (default 1)")
+    p.add_argument("--loop", default="uvloop", help="mqd --loop value, if mqd offers the flag")
+    p.add_argument("--mqd", default=None, help="mqd executable (default: beside this Python)")
+    p.add_argument("--tmpdir", default=None, help="where data directories go (default: TMPDIR)")
+    p.add_argument("--size", type=int, default=100, help="message bytes")
+    p.add_argument(
+        "--systems",
+        default=None,
+        help="comma-separated names to run (default all): " + ", ".join(s.name for s in SYSTEMS),
+    )
+    p.add_argument("--depth", type=int, default=0, help="also run the depth test with N messages")
+    p.add_argument("--depth-backend", default="bdb")
+    p.add_argument("--depth-sync", default="always", choices=("always", "periodic", "none"))
+    p.add_argument("--no-compare", action="store_true", help="skip the comparison (depth only)")
+    a = p.parse_args(argv)
+    exe = find_mqd(a.mqd)
+    o = Options(
+        duration=a.duration or (2.0 if a.quick else 10.0),
+        connections=a.connections,
+        pipeline=a.pipeline,
+        loop=a.loop if "--loop" in mqd_serve_flags(exe) else None,
+        exe=exe,
+        base_dir=a.tmpdir,
+        size=a.size,
+        depth=a.depth,
+        depth_backend=a.depth_backend,
+        depth_sync=a.depth_sync,
+    )
+    chosen = SYSTEMS
+    if a.systems:
+        wanted = {n.strip() for n in a.systems.split(",")}
+        unknown = wanted - {s.name for s in SYSTEMS}
+        if unknown:
+            p.error(f"unknown systems: {', '.join(sorted(unknown))}")
+        chosen = [s for s in SYSTEMS if s.name in wanted]
+    missing = [b for b in ("redis-server", "beanstalkd") if not shutil.which(b)]
+    if missing and not a.no_compare:
+        chosen = [s for s in chosen if not any(m.split("-")[0] in s.name for m in missing)]
+        console.print(f"not installed, skipped: {', '.join(missing)}")
+    console.print(
+        f"mqd{' --loop ' + o.loop if o.loop else ''}; {o.duration:g} s per run; data under "
+        f"{a.tmpdir or os.environ.get('TMPDIR', '/tmp')}"
+    )
+    if not a.no_compare:
+        rows = [measure(s, o) for s in chosen]
+        comparison(rows, o)
+    if o.depth:
+        depth_test(o)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
