@@ -157,7 +157,7 @@ class Broker:
         """`set` or `add`."""
         self.counters.cmd_set += 1
         queue = command.queue
-        settings = self.settings(queue)
+        settings = self._settings.get(queue) or self.settings(queue)
         unique = command.add or settings.unique
         if unique and not self._unique:
             feature = "add" if command.add else "unique"
@@ -165,7 +165,7 @@ class Broker:
         if len(command.body) > settings.max_item_size:
             raise ServerError(protocol.TOO_LARGE)
         now = time.time()
-        expires = expiry(command.exptime, now)
+        expires = expiry(command.exptime, now) if command.exptime else 0.0
         if expires is None:
             return STORED  # already expired: stored as nothing, as memcached does
         message = Message(command.body, command.flags, expires, now)
@@ -312,7 +312,7 @@ class Broker:
         return await self._take(queue)
 
     async def _take(self, queue: str) -> Message | None:
-        settings = self.settings(queue)
+        settings = self._settings.get(queue) or self.settings(queue)
         while True:
             message = await self.backend.take(queue, sync=settings.sync)
             if message is None:

@@ -24,10 +24,11 @@ class _Queue:
         if self.bodies is None:
             self.bodies = {}
             for message in (*self.waiting, *self.reserved.values()):
-                self._count(message.body, 1)
+                self.count(message.body, 1)
         return self.bodies
 
-    def _count(self, body: bytes, delta: int) -> None:
+    def count(self, body: bytes, delta: int) -> None:
+        """Keep the body index, when there is one, in step."""
         bodies = self.bodies
         if bodies is None:
             return
@@ -37,13 +38,9 @@ class _Queue:
         else:
             del bodies[body]
 
-    def add(self, message: Message) -> None:
-        self.bytes += len(message.body)
-        self._count(message.body, 1)
-
     def forget(self, message: Message) -> None:
         self.bytes -= len(message.body)
-        self._count(message.body, -1)
+        self.count(message.body, -1)
 
 
 class MemoryBackend(Backend):
@@ -62,18 +59,22 @@ class MemoryBackend(Backend):
             q = self._queues[queue] = _Queue()
         if unique and message.body in q.index():
             return None
-        message.offset = q.next_offset
-        q.next_offset += 1
+        offset = message.offset = q.next_offset
+        q.next_offset = offset + 1
         q.waiting.append(message)
-        q.add(message)
-        return message.offset
+        q.bytes += len(message.body)
+        if q.bodies is not None:
+            q.count(message.body, 1)
+        return offset
 
     async def take(self, queue: str, *, sync: Sync) -> Message | None:
         q = self._queues.get(queue)
         if q is None or not q.waiting:
             return None
         message = q.waiting.popleft()
-        q.forget(message)
+        q.bytes -= len(message.body)
+        if q.bodies is not None:
+            q.count(message.body, -1)
         message.deliveries += 1
         return message
 
