@@ -22,8 +22,10 @@ Run `python benchmarks/loadgen.py --help` for the command line.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import multiprocessing as mp
+import os
 import re
 import select
 import socket
@@ -57,6 +59,7 @@ class Command:
     data: bytes
     ops: int = 1
     replies: int = 1
+    enqueue: bool = False  # carries a message body (rebuilt when bodies must differ)
 
 
 class Wire:
@@ -96,7 +99,8 @@ class Wire:
             return [self.dequeue()]
         raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
 
-    def enqueue(self) -> Command:
+    def enqueue(self, body: bytes | None = None) -> Command:
+        """Enqueue `body` (of `size` bytes), or the wire's fixed body."""
         raise NotImplementedError
 
     def dequeue(self) -> Command:
@@ -134,8 +138,9 @@ class MemcacheWire(Wire):
         super().__init__(queue, size)
         self.key = self.queue + get_suffix.encode()
 
-    def enqueue(self) -> Command:
-        return Command(b"set %s 0 0 %d\r\n%s\r\n" % (self.queue, self.size, self.body))
+    def enqueue(self, body: bytes | None = None) -> Command:
+        body = body or self.body
+        return Command(b"set %s 0 0 %d\r\n%s\r\n" % (self.queue, len(body), body), enqueue=True)
 
     def dequeue(self) -> Command:
         return Command(b"get %s\r\n" % self.key)
@@ -162,8 +167,11 @@ class RespWire(Wire):
         super().__init__(queue, size)
         self._key = b"$%d\r\n%s\r\n" % (len(self.queue), self.queue)
 
-    def enqueue(self) -> Command:
-        return Command(b"*3\r\n$5\r\nLPUSH\r\n%s$%d\r\n%s\r\n" % (self._key, self.size, self.body))
+    def enqueue(self, body: bytes | None = None) -> Command:
+        body = body or self.body
+        return Command(
+            b"*3\r\n$5\r\nLPUSH\r\n%s$%d\r\n%s\r\n" % (self._key, len(body), body), enqueue=True
+        )
 
     def dequeue(self) -> Command:
         return Command(b"*2\r\n$4\r\nRPOP\r\n%s" % self._key)
@@ -196,8 +204,9 @@ class BeanstalkWire(Wire):
         # USING, WATCHING 2, WATCHING 1: one line each.
         return Command(b"use %s\r\nwatch %s\r\nignore default\r\n" % (q, q), 0, 3)
 
-    def enqueue(self) -> Command:
-        return Command(b"put 1024 0 60 %d\r\n%s\r\n" % (self.size, self.body))
+    def enqueue(self, body: bytes | None = None) -> Command:
+        body = body or self.body
+        return Command(b"put 1024 0 60 %d\r\n%s\r\n" % (len(body), body), enqueue=True)
 
     def dequeue(self) -> Command:
         return Command(b"reserve-with-timeout 0\r\n")
@@ -261,23 +270,44 @@ class Plan:
     commands of it. The distinct batches are built once (there are at most
     len(cycle) of them); a connection with an op quota gets a shorter last
     batch so that the total is exact.
+
+    With `unique`, every enqueued body differs (a per-run nonce and a
+    counter, padded to the size), for servers that store a body only once
+    (mqd's bdb-random, queues with `unique = true`); batches are then built
+    as they are sent, which costs a little generator time.
     """
 
-    def __init__(self, wire: Wire, workload: str, depth: int) -> None:
+    def __init__(self, wire: Wire, workload: str, depth: int, unique: bool = False) -> None:
         if depth < 1:
             raise ValueError("depth must be at least 1")
+        self.wire = wire
         self.cycle = wire.cycle(workload)
         self.depth = depth
+        self.unique = unique
+        self._seq = itertools.count()
+        self._nonce = os.urandom(6).hex().encode()  # lower-case hex: no protocol marker
         n = len(self.cycle)
         period = math.lcm(n, depth) // depth  # batches before the stream repeats
         self.batches = [self._slice(i * depth, depth) for i in range(period)]
 
+    def body(self) -> bytes:
+        tag = b"%s-%d-" % (self._nonce, next(self._seq))
+        if len(tag) > self.wire.size:
+            raise ValueError(f"unique bodies need at least {len(tag)} bytes")
+        return tag.ljust(self.wire.size, b"x")
+
     def _slice(self, start: int, count: int) -> Batch:
         n = len(self.cycle)
-        return _batch([self.cycle[(start + k) % n] for k in range(count)])
+        cmds = [self.cycle[(start + k) % n] for k in range(count)]
+        if self.unique:
+            cmds = [self.wire.enqueue(self.body()) if c.enqueue else c for c in cmds]
+        return _batch(cmds)
 
     def batch(self, index: int, ops_left: int | None) -> Batch:
         """Batch number `index`, cut short if fewer than depth ops remain."""
+        if self.unique:
+            count = self.depth if ops_left is None else min(self.depth, ops_left)
+            return self._slice(index * self.depth, count)
         b = self.batches[index % len(self.batches)]
         if ops_left is None or b.ops <= ops_left:
             return b
@@ -305,6 +335,7 @@ class LoadSpec:
     queue: str = "q"
     size: int = 100
     get_suffix: str = ""  # e.g. "/t=100" for waiting gets on mqd
+    unique: bool = False  # every enqueued body different (see Plan)
     timeout: float = 30.0  # no reply for this long is an error
     max_seconds: float = 3600.0  # hard stop, whatever else is set
 
@@ -411,7 +442,7 @@ def _worker(
 
 def _drive(spec: LoadSpec, quotas: list[int | None], start: Any) -> dict[str, Any]:
     wire = make_wire(spec.wire, spec.queue, spec.size, spec.get_suffix)
-    plan = Plan(wire, spec.workload, spec.depth)
+    plan = Plan(wire, spec.workload, spec.depth, spec.unique)
     conns: dict[int, _Conn] = {}
     limits: dict[int, int | None] = {}
     for quota in quotas:
@@ -612,6 +643,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--queue", default="q")
     p.add_argument("--size", type=int, default=100, help="message bytes")
     p.add_argument("--get-suffix", default="", help="appended to the key of gets, e.g. /t=100")
+    p.add_argument("--unique", action="store_true", help="make every enqueued body different")
     return p
 
 
@@ -631,6 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         queue=a.queue,
         size=a.size,
         get_suffix=a.get_suffix,
+        unique=a.unique,
     )
     res = run_load(spec)
     print(res.summary())
