@@ -8,7 +8,7 @@ transaction each, so one bad job fails alone.
 
 Every layout keeps a *catalog* of B-tree records, keyed by a one-byte kind:
 
-    CAT_QUEUE    + name             -> META: qid, next offset, counts, head age
+    CAT_QUEUE    + name             -> META: qid, next offset, counts, head, flags
     CAT_RESERVED + qid + offset     -> the message key suffix (reserved index)
     CAT_PURGE    + qid              -> a deleted queue whose records remain
     CAT_NEXT_QID                    -> the next queue id
@@ -27,7 +27,7 @@ import fcntl
 import hashlib
 import os
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -50,7 +50,10 @@ UNIQ = b"\x11"  # + qid + digest: copies of a body, in bdb-single
 QID = struct.Struct(">I")
 U32 = struct.Struct(">I")
 U64 = struct.Struct(">Q")
-META = struct.Struct(">IQQQQd")  # qid, next offset, items, bytes, open, head created
+CREATED = struct.Struct(">d")
+#: qid, next offset, items, bytes, open, head's created, flags (INDEXED).
+META = struct.Struct(">IQQQQdB")
+INDEXED = 1  # META flag: the queue's copies of each body are counted
 #: A FIFO message: reserved marker, flags, expires, created, deliveries; body follows.
 HDR = struct.Struct(">BIddI")
 HDR_CREATED = 13
@@ -69,7 +72,8 @@ ENV_FLAGS = (
     | db.DB_RECOVER  # replay the log: every file consistent whatever the last exit
     | db.DB_PRIVATE  # one process; regions in its memory, no stale region files
 )
-PURGE_CHUNK = 500  # records deleted per transaction when purging a deleted queue
+CHUNK = 500  # records per transaction when purging a queue or counting its bodies
+INLINE_INDEX = 1000  # a queue this small has its bodies counted inside the batch
 
 _REASONS = {
     errno.ENOSPC: "disk full",
@@ -114,6 +118,14 @@ def _digest(body: bytes) -> bytes:
     return hashlib.blake2b(body, digest_size=16).digest()
 
 
+class _NeedsIndex(Exception):
+    """A unique put met a large queue whose bodies are not counted yet."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
 class _Queue:
     """What the worker knows of one queue; its counts mirror the catalog record."""
 
@@ -121,8 +133,10 @@ class _Queue:
         "bytes",
         "head_created",
         "head_dirty",
+        "head_key",
         "hint",
         "hint_key",
+        "indexed",
         "items",
         "mdb",
         "mpre",
@@ -146,12 +160,19 @@ class _Queue:
         self.items = 0
         self.bytes = 0
         self.open = 0
+        # The head is the queue's least key, waiting or reserved. Its key is
+        # known once a batch has seen it (None: unknown or empty); head_dirty
+        # asks the end of the batch to look it up.
         self.head_created = 0.0
+        self.head_key: bytes | None = None
         self.head_dirty = False
         # No waiting message sorts before the hint: take() starts looking there
         # instead of stepping over every reserved message at the head again.
         self.hint = 0  # an offset, in the FIFO layouts
         self.hint_key = b""  # a key, in bdb-random
+        # Whether copies of each body are counted (FIFO layouts). Only queues
+        # that have seen a unique put pay for the counting.
+        self.indexed = False
         self.mdb: Any = None  # database holding the messages
         self.mpre = b""  # their key prefix in it
         self.udb: Any = None  # database counting copies of each body (FIFO)
@@ -161,9 +182,52 @@ class _Queue:
     def size(self) -> QueueSize:
         return QueueSize(self.items, self.bytes, self.open, self.head_created)
 
+    def meta(self) -> bytes:
+        flags = INDEXED if self.indexed else 0
+        return META.pack(
+            self.qid, self.next_offset, self.items, self.bytes, self.open, self.head_created, flags
+        )
 
-#: A queue's state before a batch first changed it (restored if the batch aborts).
-_Snapshot = tuple[_Queue, bool, int, int, int, int, int, bytes, float, bool]
+    def state(self) -> tuple[Any, ...]:
+        return (
+            self.next_offset,
+            self.items,
+            self.bytes,
+            self.open,
+            self.head_created,
+            self.head_key,
+            self.head_dirty,
+            self.hint,
+            self.hint_key,
+            self.indexed,
+        )
+
+    def set_state(self, state: tuple[Any, ...]) -> None:
+        (
+            self.next_offset,
+            self.items,
+            self.bytes,
+            self.open,
+            self.head_created,
+            self.head_key,
+            self.head_dirty,
+            self.hint,
+            self.hint_key,
+            self.indexed,
+        ) = state
+
+    def set_head(self, rec: tuple[bytes, bytes] | None, created_at: int) -> None:
+        """The head is `rec` (None: the queue is empty)."""
+        if rec is None or not rec[0].startswith(self.mpre):
+            self.head_key, self.head_created = None, 0.0
+        else:
+            self.head_key = rec[0]
+            self.head_created = CREATED.unpack_from(rec[1], created_at)[0]
+        self.head_dirty = False
+
+
+#: A queue before a batch first changed it, and whether it existed then.
+_Snapshot = tuple[_Queue, bool, tuple[Any, ...]]
 
 
 class Store:
@@ -173,6 +237,8 @@ class Store:
     barrier_ops: ClassVar[frozenset[int]] = frozenset()
     #: The catalog's file (shared with the messages in the single-file layouts).
     catalog_file: ClassVar[str] = "queues.db"
+    #: Where `created` sits in a message record.
+    created_at: ClassVar[int] = HDR_CREATED
 
     def __init__(self, data_dir: Path, config: BdbConfig) -> None:
         self.data_dir = data_dir
@@ -223,11 +289,11 @@ class Store:
             first = exc
         error = self._close_env()
         self._unlock()
-        if first or error:
+        if first is not None or error is not None:
             raise storage_error(first or error)  # type: ignore[arg-type]
 
     def reopen(self) -> dict[str, QueueSize | None]:
-        """After a panic: close, recover, load again. The changed gauges to publish."""
+        """After a panic: close, recover, load again. The gauges to publish."""
         before = set(self.queues)
         self._close_env()
         self.queues = {}
@@ -269,8 +335,8 @@ class Store:
         # once per batch (group commit) for the callers that asked for it.
         env.set_flags(db.DB_TXN_WRITE_NOSYNC, 1)
         env.log_set_config(db.DB_LOG_AUTO_REMOVE, 1)
-        # All work is on one thread, so a lock wait can only be a lock this very
-        # thread holds in another transaction: fail it rather than hang.
+        # All work is on one thread, so a lock wait can only be for a lock this
+        # very thread holds in another transaction: fail it rather than hang.
         env.set_timeout(2_000_000, db.DB_SET_LOCK_TIMEOUT)
         self.env = env
         env.open(str(self.data_dir), ENV_FLAGS, 0o600)
@@ -317,10 +383,11 @@ class Store:
             rec = cur.set_range(CAT_QUEUE)
             while rec is not None and rec[0][:1] == CAT_QUEUE:
                 raw = rec[0][1:]
-                qid, next_offset, items, nbytes, nopen, head = META.unpack(rec[1])
+                qid, next_offset, items, nbytes, nopen, head, flags = META.unpack(rec[1])
                 q = self._make_queue(decode_name(raw), raw, qid)
                 q.next_offset, q.items, q.bytes, q.open = next_offset, items, nbytes, nopen
                 q.head_created = head
+                q.indexed = bool(flags & INDEXED)
                 queues[q.name] = q
                 rec = cur.next()
             rec = cur.set_range(CAT_PURGE)
@@ -380,6 +447,15 @@ class Store:
         results.extend((job, None, value) for job, value in zip(segment, values, strict=True))
 
     def _attempt(self, segment: list[jobs.Job], published: dict[str, Any]) -> list[Any]:
+        """Run `segment` in one transaction, first counting bodies where a put needs it."""
+        for _ in range(len(segment) + 1):
+            try:
+                return self._transaction(segment, published)
+            except _NeedsIndex as need:
+                self.build_index(need.name)
+        raise StorageError("could not count the queue's messages")
+
+    def _transaction(self, segment: list[jobs.Job], published: dict[str, Any]) -> list[Any]:
         touched: dict[str, _Snapshot] = {}
         self._touched = touched
         self._new_purges = []
@@ -410,36 +486,15 @@ class Store:
     def _touch(self, q: _Queue) -> None:
         """Remember `q` as it was before this batch changed it."""
         if q.name not in self._touched:
-            self._touched[q.name] = (
-                q,
-                True,
-                q.next_offset,
-                q.items,
-                q.bytes,
-                q.open,
-                q.hint,
-                q.hint_key,
-                q.head_created,
-                q.head_dirty,
-            )
+            self._touched[q.name] = (q, True, q.state())
 
     def _restore(self, touched: dict[str, _Snapshot]) -> None:
-        for name, snap in touched.items():
-            q, existed = snap[0], snap[1]
-            if not existed:
+        for name, (q, existed, state) in touched.items():
+            if existed:
+                q.set_state(state)
+                self.queues[name] = q
+            else:
                 self.queues.pop(name, None)
-                continue
-            (
-                q.next_offset,
-                q.items,
-                q.bytes,
-                q.open,
-                q.hint,
-                q.hint_key,
-                q.head_created,
-                q.head_dirty,
-            ) = snap[2:]
-            self.queues[name] = q
 
     def _write_meta(self, txn: Any, next_qid: int) -> None:
         cat = self.cat
@@ -448,10 +503,8 @@ class Store:
             if q is None:
                 continue
             if q.head_dirty:
-                q.head_created = self._head(txn, q) if q.items else 0.0
-                q.head_dirty = False
-            meta = META.pack(q.qid, q.next_offset, q.items, q.bytes, q.open, q.head_created)
-            cat.put(CAT_QUEUE + q.raw, meta, txn)
+                q.set_head(self._head(txn, q) if q.items else None, self.created_at)
+            cat.put(CAT_QUEUE + q.raw, q.meta(), txn)
         if self.next_qid != next_qid:
             cat.put(CAT_NEXT_QID, QID.pack(self.next_qid), txn)
 
@@ -461,9 +514,8 @@ class Store:
         q = self._make_queue(name, raw, self.next_qid)
         self.next_qid += 1
         self._attach(q)
-        self._touched.setdefault(
-            name, (q, False, 0, 0, 0, 0, 0, b"", 0.0, False)
-        )  # a queue deleted earlier in the batch keeps its own snapshot
+        # A queue deleted earlier in this batch keeps its own snapshot.
+        self._touched.setdefault(name, (q, False, ()))
         self.queues[name] = q
         return q
 
@@ -474,8 +526,30 @@ class Store:
         with contextlib.suppress(db.DBNotFoundError):  # created in this very batch
             self.cat.delete(CAT_QUEUE + q.raw, txn)
 
-    def _head(self, txn: Any, q: _Queue) -> float:
-        raise NotImplementedError("Store._head")
+    def _head(self, txn: Any, q: _Queue) -> tuple[bytes, bytes] | None:
+        """The queue's first record, looked up."""
+        cur = q.mdb.cursor(txn)
+        try:
+            rec = cur.set_range(q.mpre) if q.mpre else cur.first()
+        finally:
+            cur.close()
+        return rec  # type: ignore[no-any-return]
+
+    def _head_removed(self, cur: Any, q: _Queue, key: bytes) -> None:
+        """`cur` has just deleted the record at `key`: follow the head if that was it."""
+        if key == q.head_key:
+            q.set_head(cur.next(), self.created_at)
+        elif q.head_key is None:
+            q.head_dirty = True
+
+    def _head_added(self, q: _Queue, key: bytes, created: float) -> None:
+        """A record was added at `key`: it is the head if it sorts first."""
+        if q.items == 1:
+            q.head_key, q.head_created, q.head_dirty = key, created, False
+        elif q.head_key is None:
+            q.head_dirty = True
+        elif key < q.head_key:
+            q.head_key, q.head_created = key, created
 
     # -- maintenance -----------------------------------------------------------
 
@@ -498,17 +572,9 @@ class Store:
         qkey = self.purges[0]
         txn = self.env.txn_begin()
         try:
-            left = PURGE_CHUNK
+            left = CHUNK
             for prefix in self._purge_prefixes(qkey):
-                cur = self.cat.cursor(txn)
-                try:
-                    rec = cur.set_range(prefix)
-                    while rec is not None and rec[0].startswith(prefix) and left:
-                        cur.delete()
-                        left -= 1
-                        rec = cur.next()
-                finally:
-                    cur.close()
+                left -= _delete_range(self.cat, txn, prefix, left)
                 if not left:
                     break
             else:
@@ -527,6 +593,10 @@ class Store:
     def _schedule_purge(self, txn: Any, q: _Queue) -> None:
         self.cat.put(CAT_PURGE + q.qkey, b"", txn)
         self._new_purges.append(q.qkey)
+
+    def build_index(self, name: str) -> None:
+        """Count the bodies of a queue, in transactions of their own."""
+        raise NotImplementedError("Store.build_index")
 
     # -- operations (worker thread, inside the batch's transaction) ------------
 
@@ -587,22 +657,29 @@ class Store:
         raise NotImplementedError("Store._read_reserved")
 
 
+def _delete_range(handle: Any, txn: Any, prefix: bytes, limit: int) -> int:
+    """Delete up to `limit` records whose keys start with `prefix`; how many were."""
+    done = 0
+    cur = handle.cursor(txn)
+    try:
+        rec = cur.set_range(prefix)
+        while rec is not None and rec[0].startswith(prefix) and done < limit:
+            cur.delete()
+            done += 1
+            rec = cur.next()
+    finally:
+        cur.close()
+    return done
+
+
 class FifoStore(Store):
     """Messages keyed by prefix + big-endian offset, so the first key is the head.
 
     A reserved message stays in place with its marker set. Copies of each body
-    are counted under its digest, for unique puts.
+    are counted under its digest once the queue has seen a unique put.
     """
 
-    def _head(self, txn: Any, q: _Queue) -> float:
-        cur = q.mdb.cursor(txn)
-        try:
-            rec = cur.set_range(q.mpre) if q.mpre else cur.first()
-        finally:
-            cur.close()
-        if rec is None or not rec[0].startswith(q.mpre):
-            return 0.0
-        return float(struct.unpack_from(">d", rec[1], HDR_CREATED)[0])
+    # -- counting bodies -------------------------------------------------------
 
     def _count_body(self, txn: Any, q: _Queue, body: bytes, delta: int) -> None:
         key = q.upre + _digest(body)
@@ -613,6 +690,77 @@ class FifoStore(Store):
         elif raw:
             q.udb.delete(key, txn)
 
+    def _clear_index(self, txn: Any, q: _Queue, limit: int) -> int:
+        """Delete up to `limit` leftovers of an unfinished count; how many were."""
+        return _delete_range(q.udb, txn, q.upre, limit)
+
+    def _count_chunk(self, txn: Any, q: _Queue, after: bytes | None, limit: int) -> bytes | None:
+        """Count the bodies of up to `limit` messages after key `after`; the last key seen."""
+        counts: Counter[bytes] = Counter()
+        last = None
+        cur = q.mdb.cursor(txn)
+        try:
+            if after is not None:
+                rec = cur.set_range(after + b"\x00")
+            else:
+                rec = cur.set_range(q.mpre) if q.mpre else cur.first()
+            while rec is not None and rec[0].startswith(q.mpre) and limit:
+                counts[_digest(rec[1][HDR.size :])] += 1
+                last = rec[0]
+                limit -= 1
+                rec = cur.next()
+        finally:
+            cur.close()
+        for digest, count in counts.items():
+            key = q.upre + digest
+            raw = q.udb.get(key, None, txn)
+            q.udb.put(key, U32.pack(count + (U32.unpack(raw)[0] if raw else 0)), txn)
+        return last
+
+    def _index_inline(self, txn: Any, q: _Queue) -> None:
+        """Count the bodies of a small queue inside the batch's transaction."""
+        if q.items > INLINE_INDEX:
+            raise _NeedsIndex(q.name)
+        self._touch(q)
+        while self._clear_index(txn, q, CHUNK):
+            pass
+        self._count_chunk(txn, q, None, q.items + 1)
+        q.indexed = True
+
+    def build_index(self, name: str) -> None:
+        q = self.queues.get(name)
+        if q is None or q.indexed:
+            return
+        self._attach(q)
+        while self._chunk_txn(self._clear_index, q, CHUNK):
+            pass  # leftovers of a count that a crash interrupted
+        after = self._chunk_txn(self._count_chunk, q, None, CHUNK)
+        while after is not None:
+            after = self._chunk_txn(self._count_chunk, q, after, CHUNK)
+        q.indexed = True
+        try:
+            self._chunk_txn(self._save_meta, q)
+        except BaseException:
+            q.indexed = False
+            raise
+
+    def _save_meta(self, txn: Any, q: _Queue) -> None:
+        self.cat.put(CAT_QUEUE + q.raw, q.meta(), txn)
+
+    def _chunk_txn(self, work: Callable[..., Any], *args: Any) -> Any:
+        """`work(txn, *args)` in a transaction of its own."""
+        txn = self.env.txn_begin()
+        try:
+            value = work(txn, *args)
+            txn.commit()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                txn.abort()
+            raise
+        return value
+
+    # -- operations ------------------------------------------------------------
+
     def put(self, txn: Any, name: str, arg: tuple[Message, bool]) -> int | None:
         message, unique = arg
         body = message.body
@@ -621,25 +769,29 @@ class FifoStore(Store):
             q = self._create(name)
         else:
             self._attach(q)
-        ukey = q.upre + _digest(body)
-        raw = q.udb.get(ukey, None, txn)
-        count = U32.unpack(raw)[0] if raw else 0
-        if count and unique:
-            return None
+        if q.indexed or unique:
+            if not q.indexed:
+                self._index_inline(txn, q)
+            ukey = q.upre + _digest(body)
+            raw = q.udb.get(ukey, None, txn)
+            count = U32.unpack(raw)[0] if raw else 0
+            if count and unique:
+                return None
+            q.udb.put(ukey, U32.pack(count + 1), txn)
         self._touch(q)
         offset = q.next_offset
+        key = q.mpre + U64.pack(offset)
+        created = message.created
         q.mdb.put(
-            q.mpre + U64.pack(offset),
-            HDR.pack(WAITING, message.flags, message.expires, message.created, message.deliveries)
-            + body,
+            key,
+            HDR.pack(WAITING, message.flags, message.expires, created, message.deliveries) + body,
             txn,
         )
-        q.udb.put(ukey, U32.pack(count + 1), txn)
         q.next_offset = offset + 1
         q.items += 1
         q.bytes += len(body)
         if q.items == 1:
-            q.head_dirty = True
+            q.head_key, q.head_created, q.head_dirty = key, created, False
         message.offset = offset
         return offset
 
@@ -665,29 +817,26 @@ class FifoStore(Store):
                 return None
             key, value = rec
             _, flags, expires, created, deliveries = HDR.unpack_from(value)
-            offset = U64.unpack_from(key, len(key) - 8)[0]
             body = value[HDR.size :]
             deliveries += 1
             self._touch(q)
             if reserve:
-                cur.put(
-                    key,
-                    HDR.pack(RESERVED, flags, expires, created, deliveries) + body,
-                    db.DB_CURRENT,
-                )
+                value = HDR.pack(RESERVED, flags, expires, created, deliveries) + body
+                cur.put(key, value, db.DB_CURRENT)
             else:
                 cur.delete()
+                q.items -= 1
+                q.bytes -= len(body)
+                self._head_removed(cur, q, key)
         finally:
             cur.close()
+        offset = U64.unpack_from(key, len(key) - 8)[0]
         q.hint = offset + 1
         if reserve:
             self.cat.put(CAT_RESERVED + q.qkey + U64.pack(offset), b"", txn)
             q.open += 1
-        else:
+        elif q.indexed:
             self._count_body(txn, q, body, -1)
-            q.items -= 1
-            q.bytes -= len(body)
-            q.head_dirty = True
         return Message(body, flags, expires, created, offset, deliveries)
 
     def take(self, txn: Any, name: str, arg: None) -> Message | None:
@@ -711,10 +860,12 @@ class FifoStore(Store):
             self.cat.delete(CAT_RESERVED + q.qkey + U64.pack(offset), txn)
             q.open -= 1
         body = value[HDR.size :]
-        self._count_body(txn, q, body, -1)
+        if q.indexed:
+            self._count_body(txn, q, body, -1)
         q.items -= 1
         q.bytes -= len(body)
-        q.head_dirty = True
+        if q.head_key is None or key == q.head_key:
+            q.head_dirty = True
         return True
 
     def release(self, txn: Any, name: str, offset: int) -> bool:
@@ -766,11 +917,12 @@ class FifoStore(Store):
         deliveries = max(message.deliveries - 1, 0)
         value = HDR.pack(WAITING, message.flags, message.expires, message.created, deliveries)
         q.mdb.put(key, value + message.body, txn)
-        self._count_body(txn, q, message.body, 1)
+        if q.indexed:
+            self._count_body(txn, q, message.body, 1)
         q.items += 1
         q.bytes += len(message.body)
         q.hint = min(q.hint, message.offset)
-        q.head_dirty = True
+        self._head_added(q, key, message.created)
         return True
 
     def _read_reserved(self, txn: Any, q: _Queue, offset: int, value: bytes) -> Message | None:
@@ -822,7 +974,7 @@ class PerQueueStore(FifoStore):
             raise
         old = self._lru.pop(q.name, None)
         if old is not None and old is not q:
-            self._detach(old)
+            _close_files(old)
         q.mdb, q.udb = mdb, udb
         self._lru[q.name] = q
 
@@ -834,6 +986,10 @@ class PerQueueStore(FifoStore):
     def trim(self) -> None:
         while len(self._lru) > self.config.max_open_queues:
             _close_files(self._lru.popitem(last=False)[1])
+
+    def _clear_index(self, txn: Any, q: _Queue, limit: int) -> int:
+        q.udb.truncate(txn)  # the file holds this queue's counts only
+        return 0
 
     def _remove_orphans(self) -> None:
         """Files of a queue whose creating batch failed: empty, and in no catalog entry."""
@@ -852,15 +1008,8 @@ class PerQueueStore(FifoStore):
         self._detach(q)
         self.env.dbremove(q.stem + ".btree", None, txn)
         self.env.dbremove(q.stem + ".hash", None, txn)
-        prefix = CAT_RESERVED + q.qkey
-        cur = self.cat.cursor(txn)
-        try:
-            rec = cur.set_range(prefix)
-            while rec is not None and rec[0].startswith(prefix):
-                cur.delete()
-                rec = cur.next()
-        finally:
-            cur.close()
+        while _delete_range(self.cat, txn, CAT_RESERVED + q.qkey, CHUNK):
+            pass
         self._drop_catalog_entry(txn, q)
         del self.queues[name]
         return True
@@ -892,6 +1041,8 @@ class RandomStore(Store):
     one B-tree lookup. The reserved index maps a reserved offset to its digest.
     """
 
+    created_at = RHDR_CREATED
+
     def _make_queue(self, name: str, raw: bytes, qid: int) -> _Queue:
         q = _Queue(name, raw, qid)
         q.mdb = self.cat
@@ -902,16 +1053,6 @@ class RandomStore(Store):
     def _purge_prefixes(self, qkey: bytes) -> list[bytes]:
         return [MSG + qkey, CAT_RESERVED + qkey]
 
-    def _head(self, txn: Any, q: _Queue) -> float:
-        cur = self.cat.cursor(txn)
-        try:
-            rec = cur.set_range(q.mpre)
-        finally:
-            cur.close()
-        if rec is None or not rec[0].startswith(q.mpre):
-            return 0.0
-        return float(struct.unpack_from(">d", rec[1], RHDR_CREATED)[0])
-
     def put(self, txn: Any, name: str, arg: tuple[Message, bool]) -> int | None:
         message = arg[0]
         q = self.queues.get(name)
@@ -919,8 +1060,9 @@ class RandomStore(Store):
             q = self._create(name)
         key = q.mpre + _digest(message.body)
         offset = q.next_offset
+        created = message.created
         value = RHDR.pack(
-            WAITING, offset, message.flags, message.expires, message.created, message.deliveries
+            WAITING, offset, message.flags, message.expires, created, message.deliveries
         )
         try:
             self.cat.put(key, value + message.body, txn, db.DB_NOOVERWRITE)
@@ -932,7 +1074,7 @@ class RandomStore(Store):
         q.bytes += len(message.body)
         if key < q.hint_key:
             q.hint_key = key
-        q.head_dirty = True
+        self._head_added(q, key, created)
         message.offset = offset
         return offset
 
@@ -960,23 +1102,19 @@ class RandomStore(Store):
             deliveries += 1
             self._touch(q)
             if reserve:
-                cur.put(
-                    key,
-                    RHDR.pack(RESERVED, offset, flags, expires, created, deliveries) + body,
-                    db.DB_CURRENT,
-                )
+                value = RHDR.pack(RESERVED, offset, flags, expires, created, deliveries) + body
+                cur.put(key, value, db.DB_CURRENT)
             else:
                 cur.delete()
+                q.items -= 1
+                q.bytes -= len(body)
+                self._head_removed(cur, q, key)
         finally:
             cur.close()
         q.hint_key = key + b"\x00"  # the least key after this one
         if reserve:
             self.cat.put(CAT_RESERVED + q.qkey + U64.pack(offset), key[len(q.mpre) :], txn)
             q.open += 1
-        else:
-            q.items -= 1
-            q.bytes -= len(body)
-            q.head_dirty = True
         return Message(body, flags, expires, created, offset, deliveries)
 
     def take(self, txn: Any, name: str, arg: None) -> Message | None:
@@ -1024,7 +1162,8 @@ class RandomStore(Store):
             q.open -= 1
         q.items -= 1
         q.bytes -= len(value) - RHDR.size
-        q.head_dirty = True
+        if q.head_key is None or key == q.head_key:
+            q.head_dirty = True
         return True
 
     def release(self, txn: Any, name: str, offset: int) -> bool:
@@ -1086,7 +1225,7 @@ class RandomStore(Store):
         q.bytes += len(message.body)
         if key < q.hint_key:
             q.hint_key = key
-        q.head_dirty = True
+        self._head_added(q, key, message.created)
         return True
 
     def _read_reserved(self, txn: Any, q: _Queue, offset: int, value: bytes) -> Message | None:

@@ -1,0 +1,95 @@
+"""Throughput of the Berkeley DB backends themselves, without the daemon.
+
+N concurrent producers put unique 100-byte messages, then N consumers take
+them all, on one event loop, as the broker would call the backend. Prints
+operations per second, batches and flushes for each backend and sync mode.
+
+Usage: python plugins/bdb/benchmarks/bdb_backend_bench.py [--count 50000]
+       [--producers 16] [--sync always] [--backend bdb] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import pstats
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from mqd_bdb.backend import BdbBackend, BdbRandomBackend, BdbSingleBackend, _BdbBackend
+
+from mqd.backend import Message, StorageOptions, Sync
+
+BACKENDS: dict[str, type[_BdbBackend]] = {
+    "bdb": BdbBackend,
+    "bdb-single": BdbSingleBackend,
+    "bdb-random": BdbRandomBackend,
+}
+
+
+async def run(name: str, data_dir: Path, count: int, producers: int, sync: Sync) -> None:
+    backend = BACKENDS[name](StorageOptions(data_dir=data_dir))
+    await backend.open()
+    per = count // producers
+    pad = b"x" * 88
+
+    async def producer(p: int) -> None:
+        for i in range(per):
+            body = b"%05d-%05d-" % (p, i) + pad
+            await backend.put("q", Message(body, created=time.time()), unique=False, sync=sync)
+
+    async def consumer() -> int:
+        n = 0
+        while await backend.take("q", sync=sync) is not None:
+            n += 1
+        return n
+
+    w = backend.worker
+    start = time.perf_counter()
+    await asyncio.gather(*(producer(p) for p in range(producers)))
+    put_s = time.perf_counter() - start
+    b0, f0 = w.batches, w.flushes
+    start = time.perf_counter()
+    taken = sum(await asyncio.gather(*(consumer() for _ in range(producers))))
+    take_s = time.perf_counter() - start
+    print(
+        f"{name:11} {sync.value:8} put {per * producers / put_s:9,.0f}/s "
+        f"({b0} batches, {f0} flushes)   take {taken / take_s:9,.0f}/s "
+        f"({w.batches - b0} batches, {w.flushes - f0} flushes)"
+    )
+    await backend.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=50_000)
+    parser.add_argument("--producers", type=int, default=16)
+    parser.add_argument("--sync", choices=[s.value for s in Sync], action="append")
+    parser.add_argument("--backend", choices=list(BACKENDS), action="append")
+    parser.add_argument("--dir", type=Path, help="where to put data (default: a temp dir)")
+    parser.add_argument("--profile", action="store_true", help="profile the worker thread")
+    args = parser.parse_args()
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler is not None:
+        original = threading.Thread.run
+
+        def profiled(self: threading.Thread) -> None:
+            if self.name == "mqd-bdb":
+                profiler.runcall(original, self)
+            else:
+                original(self)
+
+        threading.Thread.run = profiled  # type: ignore[method-assign]
+    for name in args.backend or list(BACKENDS):
+        for sync in args.sync or ["always"]:
+            with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+                asyncio.run(run(name, Path(tmp), args.count, args.producers, Sync(sync)))
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
