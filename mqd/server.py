@@ -118,70 +118,59 @@ class Connection(asyncio.Protocol):
         message), and running them directly here saves creating a task for
         every read, which costs more than parsing and executing a command.
         """
-        pending = self.pending
-        while pending and not self.closed and self._writable is None:
-            step = self.execute(pending.popleft())
-            try:
-                waiting_on = step.send(None)
-            except StopIteration:
-                continue
-            self.task = self.server.loop.create_task(self.run(finish(step, waiting_on)))
-            return
-        if pending and not self.closed:  # the client is not reading its replies
-            self.task = self.server.loop.create_task(self.run())
-            return
-        self.flush()
-        self._resume_reading()
-
-    async def run(self, first: Awaitable[None] | None = None) -> None:
-        """Finish `first` (a command that had to wait), then every pending command."""
+        step = self.drain()
         try:
-            if first is not None:
-                await first
-            pending = self.pending
-            while pending and not self.closed:
-                if self._writable is not None:
-                    self.flush()
-                    await self._writable
-                await self.execute(pending.popleft())
-                self._resume_reading()
-            self.flush()
+            waiting_on = step.send(None)
+        except StopIteration:
+            return
+        self.task = self.server.loop.create_task(self.finish(step, waiting_on))
+
+    async def finish(self, step: Coroutine[Any, Any, None], waiting_on: Any) -> None:
+        try:
+            await finish(step, waiting_on)
         except asyncio.CancelledError:
             pass
         finally:
             self.task = None
 
-    def _resume_reading(self) -> None:
-        if self._reading_paused and len(self.pending) < PENDING_HIGH // 2:
-            assert self.transport is not None
-            self.transport.resume_reading()
-            self._reading_paused = False
-
-    async def execute(self, command: protocol.Command) -> None:
-        """Run one command; append its reply (if any) to the output."""
-        kind = type(command)
-        try:
-            # The two commands that carry the load skip the dispatch table.
-            if kind is Store:
-                reply = await self.broker.store(command)  # type: ignore[arg-type]
-                if command.noreply:  # type: ignore[union-attr]
-                    return
-            elif kind is Retrieve:
-                reply = await self.broker.retrieve(command, self.session)  # type: ignore[arg-type]
-            else:
-                result = await _DISPATCH[kind](self, command)
-                if result is None:
-                    return
-                reply = result
-        except ProtocolError as error:
-            if not getattr(command, "noreply", False):
-                self.out.append(protocol.error_line(error))
-            return
-        except Exception:
-            log.exception("command failed: %r", command)
-            self.out.append(protocol.error_line(ServerError("internal error")))
-            return
-        self.out.append(reply)
+    async def drain(self) -> None:
+        """Run every pending command in order, gathering replies; then send them."""
+        pending = self.pending
+        out = self.out
+        broker = self.broker
+        while pending and not self.closed:
+            if self._writable is not None:  # the client is not reading its replies
+                self.flush()
+                await self._writable
+            if self._reading_paused and len(pending) < PENDING_HIGH // 2:
+                assert self.transport is not None
+                self.transport.resume_reading()
+                self._reading_paused = False
+            command = pending.popleft()
+            kind = type(command)
+            try:
+                # The two commands that carry the load skip the dispatch table.
+                if kind is Store:
+                    reply = await broker.store(command)  # type: ignore[arg-type]
+                    if command.noreply:  # type: ignore[union-attr]
+                        continue
+                elif kind is Retrieve:
+                    reply = await broker.retrieve(command, self.session)  # type: ignore[arg-type]
+                else:
+                    result = await _DISPATCH[kind](self, command)
+                    if result is None:
+                        continue
+                    reply = result
+            except ProtocolError as error:
+                if not getattr(command, "noreply", False):
+                    out.append(protocol.error_line(error))
+                continue
+            except Exception:
+                log.exception("command failed: %r", command)
+                out.append(protocol.error_line(ServerError("internal error")))
+                continue
+            out.append(reply)
+        self.flush()
 
     def flush(self) -> None:
         """Send every reply gathered so far."""
