@@ -317,3 +317,19 @@ def test_concurrent_producers_and_consumers(daemon: Daemon, q: str) -> None:
     for t in threads:
         t.join(30)
     assert sorted(got) == sorted(b"%d-%d" % (p, i) for p in range(producers) for i in range(n))
+
+
+def test_slow_reader_gets_every_reply_in_order(daemon: Daemon, q: str) -> None:
+    # Far more replies than the socket buffers hold, and far more pipelined
+    # commands than a connection parses ahead: both kinds of back-pressure.
+    conn = connect(daemon)
+    body = b"x" * 10_000
+    count = 3_000
+    k = q.encode()
+    conn.send(b"".join(b"set %b 0 0 %d\r\n%b\r\n" % (k, len(body), body) for _ in range(count)))
+    assert conn.read(8 * count) == b"STORED\r\n" * count
+    conn.send(b"gets %b\r\n" % k * count)
+    time.sleep(0.5)  # let the server fill every buffer while nobody reads
+    for offset in range(count):
+        expected = b"VALUE %b 0 %d %d\r\n%b\r\nEND\r\n" % (k, len(body), offset, body)
+        assert conn.read(len(expected)) == expected
