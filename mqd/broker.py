@@ -211,7 +211,16 @@ class Broker:
         """`get` or `gets`, with every option and multiple keys."""
         keys = command.keys
         if len(keys) == 1 and keys[0].plain:
-            return await self._retrieve_one(keys[0], command.with_ids)
+            # `get <queue>`: what most consumers send, without the general machinery.
+            key = keys[0]
+            self.counters.cmd_get += 1
+            message = await self._take(key.queue)
+            if message is None:
+                self.counters.get_misses += 1
+                return END
+            self.counters.get_hits += 1
+            offset = message.offset if command.with_ids else None
+            return protocol.value(key.raw, message.flags, message.body, offset) + END
         self._check_keys(keys, session)
         self.counters.cmd_get += len(keys)
         loop = asyncio.get_running_loop()
@@ -238,22 +247,6 @@ class Broker:
         self.counters.get_misses += len(keys) - len(out)
         out.append(END)
         return b"".join(out)
-
-    async def _retrieve_one(self, key: Key, with_ids: bool) -> bytes:
-        """`get <queue>`: what most consumers send, without the general machinery."""
-        counters = self.counters
-        counters.cmd_get += 1
-        message = await self._take(key.queue)
-        if message is None:
-            counters.get_misses += 1
-            return END
-        counters.get_hits += 1
-        return (
-            protocol.value(
-                key.raw, message.flags, message.body, message.offset if with_ids else None
-            )
-            + END
-        )
 
     def _wait_of(self, key: Key) -> float:
         return min((key.wait_ms or 0) / 1000, self.config.max_wait)
