@@ -37,6 +37,7 @@ class _BdbBackend(Backend):
         self.config = BdbConfig.from_table(options.extra, f"storage.{self.name}")
         self._sizes: dict[str, QueueSize] = {}
         self._worker: Worker | None = None
+        self._outbox: list[jobs.Job] = []
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- life cycle ----------------------------------------------------------
@@ -60,6 +61,7 @@ class _BdbBackend(Backend):
         self._worker = worker
 
     async def close(self) -> None:
+        self._send()
         worker, self._worker = self._worker, None
         if worker is not None:
             await worker.stop()
@@ -76,8 +78,18 @@ class _BdbBackend(Backend):
         if worker is None or loop is None:
             raise StorageError(f"backend {self.name} is not open")
         future = loop.create_future()
-        worker.submit((op, queue, arg, sync, future))
+        outbox = self._outbox
+        outbox.append((op, queue, arg, sync, future))
+        if len(outbox) == 1:
+            # Jobs made in one turn of the loop go to the worker together:
+            # one wake-up of its thread instead of one per job.
+            loop.call_soon(self._send)
         return future
+
+    def _send(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        if outbox and self._worker is not None:
+            self._worker.submit(outbox)
 
     def _deliver(self, results: list[jobs.Result], published: dict[str, QueueSize | None]) -> None:
         sizes = self._sizes
