@@ -1,11 +1,10 @@
 """Queues in one transactional Berkeley DB environment.
 
-Everything here runs on the environment's executor thread (mqd_bdb.worker), but
-for flush(), which the flusher thread calls: no database handle is shared
-between threads, only the environment, opened DB_THREAD. The executor hands a
-store a batch of jobs; the store runs them in one transaction and, should
-anything in it fail, aborts and runs them again one transaction each, so one
-bad job fails alone.
+Everything here runs on the environment's single worker thread (mqd_bdb.worker),
+so no handle is shared between threads and the environment needs no DB_THREAD.
+The worker hands a store a batch of jobs; the store runs them in one
+transaction and, should anything in it fail, aborts and runs them again one
+transaction each, so one bad job fails alone.
 
 Every layout keeps a *catalog* of B-tree records, keyed by a one-byte kind:
 
@@ -72,7 +71,6 @@ ENV_FLAGS = (
     | db.DB_INIT_MPOOL
     | db.DB_RECOVER  # replay the log: every file consistent whatever the last exit
     | db.DB_PRIVATE  # one process; regions in its memory, no stale region files
-    | db.DB_THREAD  # the flusher thread syncs the log while the executor works
 )
 CHUNK = 500  # records per transaction when purging a queue or counting its bodies
 INLINE_INDEX = 1000  # a queue this small has its bodies counted inside the batch
