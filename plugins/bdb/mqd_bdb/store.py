@@ -505,6 +505,7 @@ class Store:
             if q.head_dirty:
                 q.set_head(self._head(txn, q) if q.items else None, self.created_at)
             cat.put(CAT_QUEUE + q.raw, q.meta(), txn)
+            self._used(q)
         if self.next_qid != next_qid:
             cat.put(CAT_NEXT_QID, QID.pack(self.next_qid), txn)
 
@@ -513,14 +514,18 @@ class Store:
         raw = encode_name(name)
         q = self._make_queue(name, raw, self.next_qid)
         self.next_qid += 1
-        self._attach(q)
+        if q.mdb is None:
+            self._attach(q)
         # A queue deleted earlier in this batch keeps its own snapshot.
         self._touched.setdefault(name, (q, False, ()))
         self.queues[name] = q
         return q
 
     def _attach(self, q: _Queue) -> None:
-        """Make sure the queue's databases are open."""
+        """Open the queue's databases (called when `q.mdb` is None)."""
+
+    def _used(self, q: _Queue) -> None:
+        """A batch changed `q` (for keeping recently used files open)."""
 
     def _drop_catalog_entry(self, txn: Any, q: _Queue) -> None:
         with contextlib.suppress(db.DBNotFoundError):  # created in this very batch
@@ -535,11 +540,9 @@ class Store:
             cur.close()
         return rec  # type: ignore[no-any-return]
 
-    def _head_removed(self, cur: Any, q: _Queue, key: bytes) -> None:
-        """`cur` has just deleted the record at `key`: follow the head if that was it."""
-        if key == q.head_key:
-            q.set_head(cur.next(), self.created_at)
-        elif q.head_key is None:
+    def _head_removed(self, q: _Queue, key: bytes) -> None:
+        """The record at `key` is gone: if it was the head, look the head up at the end."""
+        if q.head_key is None or key == q.head_key:
             q.head_dirty = True
 
     def _head_added(self, q: _Queue, key: bytes, created: float) -> None:
@@ -731,7 +734,8 @@ class FifoStore(Store):
         q = self.queues.get(name)
         if q is None or q.indexed:
             return
-        self._attach(q)
+        if q.mdb is None:
+            self._attach(q)
         while self._chunk_txn(self._clear_index, q, CHUNK):
             pass  # leftovers of a count that a crash interrupted
         after = self._chunk_txn(self._count_chunk, q, None, CHUNK)
@@ -767,7 +771,7 @@ class FifoStore(Store):
         q = self.queues.get(name)
         if q is None:
             q = self._create(name)
-        else:
+        elif q.mdb is None:
             self._attach(q)
         if q.indexed or unique:
             if not q.indexed:
@@ -809,34 +813,41 @@ class FifoStore(Store):
         q = self.queues.get(name)
         if q is None or q.items == q.open:
             return None
-        self._attach(q)
-        cur = q.mdb.cursor(txn)
-        try:
-            rec = self._first_waiting(cur, q)
+        if q.mdb is None:
+            self._attach(q)
+        mdb = q.mdb
+        # Nearly always the message at the hint is the head, waiting: take it
+        # by key. Otherwise (reserved messages or gaps) look with a cursor.
+        key = q.mpre + U64.pack(q.hint)
+        value = mdb.get(key, None, txn)
+        if value is None or value[0] != WAITING:
+            cur = mdb.cursor(txn)
+            try:
+                rec = self._first_waiting(cur, q)
+            finally:
+                cur.close()
             if rec is None:
                 return None
             key, value = rec
-            _, flags, expires, created, deliveries = HDR.unpack_from(value)
-            body = value[HDR.size :]
-            deliveries += 1
-            self._touch(q)
-            if reserve:
-                value = HDR.pack(RESERVED, flags, expires, created, deliveries) + body
-                cur.put(key, value, db.DB_CURRENT)
-            else:
-                cur.delete()
-                q.items -= 1
-                q.bytes -= len(body)
-                self._head_removed(cur, q, key)
-        finally:
-            cur.close()
+        _, flags, expires, created, deliveries = HDR.unpack_from(value)
+        body = value[HDR.size :]
+        deliveries += 1
         offset = U64.unpack_from(key, len(key) - 8)[0]
-        q.hint = offset + 1
+        if name not in self._touched:
+            self._touch(q)
         if reserve:
+            mdb.put(key, HDR.pack(RESERVED, flags, expires, created, deliveries) + body, txn)
             self.cat.put(CAT_RESERVED + q.qkey + U64.pack(offset), b"", txn)
             q.open += 1
-        elif q.indexed:
-            self._count_body(txn, q, body, -1)
+        else:
+            mdb.delete(key, txn)
+            q.items -= 1
+            q.bytes -= len(body)
+            if key == q.head_key or q.head_key is None:
+                q.head_dirty = True
+            if q.indexed:
+                self._count_body(txn, q, body, -1)
+        q.hint = offset + 1
         return Message(body, flags, expires, created, offset, deliveries)
 
     def take(self, txn: Any, name: str, arg: None) -> Message | None:
@@ -849,7 +860,8 @@ class FifoStore(Store):
         q = self.queues.get(name)
         if q is None:
             return False
-        self._attach(q)
+        if q.mdb is None:
+            self._attach(q)
         key = q.mpre + U64.pack(offset)
         value = q.mdb.get(key, None, txn)
         if value is None:
@@ -864,15 +876,15 @@ class FifoStore(Store):
             self._count_body(txn, q, body, -1)
         q.items -= 1
         q.bytes -= len(body)
-        if q.head_key is None or key == q.head_key:
-            q.head_dirty = True
+        self._head_removed(q, key)
         return True
 
     def release(self, txn: Any, name: str, offset: int) -> bool:
         q = self.queues.get(name)
         if q is None or not q.open:
             return False
-        self._attach(q)
+        if q.mdb is None:
+            self._attach(q)
         key = q.mpre + U64.pack(offset)
         value = q.mdb.get(key, None, txn)
         if value is None or value[0] != RESERVED:
@@ -888,7 +900,8 @@ class FifoStore(Store):
         q = self.queues.get(name)
         if q is None or q.items == q.open:
             return None
-        self._attach(q)
+        if q.mdb is None:
+            self._attach(q)
         cur = q.mdb.cursor(txn)
         try:
             rec = self._first_waiting(cur, q)
@@ -900,7 +913,8 @@ class FifoStore(Store):
         q = self.queues.get(name)
         if q is None:
             return None
-        self._attach(q)
+        if q.mdb is None:
+            self._attach(q)
         key = q.mpre + U64.pack(offset)
         value = q.mdb.get(key, None, txn)
         return None if value is None else _fifo_message(key, value)
@@ -909,7 +923,8 @@ class FifoStore(Store):
         q = self.queues.get(name)
         if q is None:
             return False
-        self._attach(q)
+        if q.mdb is None:
+            self._attach(q)
         key = q.mpre + U64.pack(message.offset)
         if q.mdb.exists(key, txn):
             return False
@@ -926,7 +941,8 @@ class FifoStore(Store):
         return True
 
     def _read_reserved(self, txn: Any, q: _Queue, offset: int, value: bytes) -> Message | None:
-        self._attach(q)
+        if q.mdb is None:
+            self._attach(q)
         key = q.mpre + U64.pack(offset)
         record = q.mdb.get(key, None, txn)
         return None if record is None else _fifo_message(key, record)
@@ -962,10 +978,11 @@ class PerQueueStore(FifoStore):
         self._lru.clear()
         return [*handles, *super()._handles()]
 
-    def _attach(self, q: _Queue) -> None:
-        if q.mdb is not None:
+    def _used(self, q: _Queue) -> None:
+        if self._lru.get(q.name) is q:
             self._lru.move_to_end(q.name)
-            return
+
+    def _attach(self, q: _Queue) -> None:
         mdb = self._open_db(q.stem + ".btree", db.DB_BTREE)
         try:
             udb = self._open_db(q.stem + ".hash", db.DB_HASH)
@@ -1108,7 +1125,7 @@ class RandomStore(Store):
                 cur.delete()
                 q.items -= 1
                 q.bytes -= len(body)
-                self._head_removed(cur, q, key)
+                self._head_removed(q, key)
         finally:
             cur.close()
         q.hint_key = key + b"\x00"  # the least key after this one
@@ -1162,8 +1179,7 @@ class RandomStore(Store):
             q.open -= 1
         q.items -= 1
         q.bytes -= len(value) - RHDR.size
-        if q.head_key is None or key == q.head_key:
-            q.head_dirty = True
+        self._head_removed(q, key)
         return True
 
     def release(self, txn: Any, name: str, offset: int) -> bool:
