@@ -65,6 +65,7 @@ def mqd_config(sync: str, interval_ms: int = 1000) -> str:
 @dataclass
 class Options:
     duration: float
+    repeat: int
     connections: int
     pipeline: int
     loop: str | None
@@ -160,6 +161,17 @@ def measure(system: System, o: Options) -> Row:
     return Row(system, enq, deq)
 
 
+def _median(results: list[LoadResult]) -> LoadResult:
+    return sorted(results, key=lambda r: r.ops_per_s)[len(results) // 2]
+
+
+def _median_row(runs: list[Row]) -> Row:
+    """Each direction's median run (enqueue and dequeue separately)."""
+    enq = _median([r.enqueue for r in runs])
+    deq = _median([r.dequeue for r in runs])
+    return Row(runs[0].system, enq, deq)
+
+
 def comparison(rows: list[Row], o: Options) -> None:
     by_name = {r.system.name: r for r in rows}
     redis = by_name.get(REDIS_ALWAYS)
@@ -182,7 +194,8 @@ def comparison(rows: list[Row], o: Options) -> None:
         )
     print_table(
         f"{o.connections} producers then {o.connections} consumers, {o.pipeline} command(s) "
-        f"per write, {o.size}-byte messages; latency = one round trip (beanstalkd's dequeue: "
+        f"per write, median of {o.repeat} round(s) of {o.duration:g} s runs; "
+        f"{o.size}-byte messages; latency = one round trip (beanstalkd's dequeue: "
         "reserve then delete), ms",
         [
             "system",
@@ -208,10 +221,6 @@ def _dir_bytes(path: Path) -> int:
             with contextlib.suppress(FileNotFoundError):
                 total += (Path(root) / f).stat().st_size
     return total
-
-
-def _median(results: list[LoadResult]) -> LoadResult:
-    return sorted(results, key=lambda r: r.ops_per_s)[len(results) // 2]
 
 
 def depth_test(o: Options) -> None:
@@ -310,7 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the comparison (and the depth test if asked) and print the tables."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="short runs (CI smoke check)")
-    p.add_argument("--duration", type=float, default=None, help="seconds per run (default 10)")
+    p.add_argument("--duration", type=float, default=None, help="seconds per run (default 5)")
+    p.add_argument(
+        "--repeat", type=int, default=None, help="rounds over all systems, medians (default 3)"
+    )
     p.add_argument("--connections", type=int, default=16)
     p.add_argument("--pipeline", type=int, default=1, help="commands per write (default 1)")
     p.add_argument("--loop", default="uvloop", help="mqd --loop value, if mqd offers the flag")
@@ -332,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     exe = find_mqd(a.mqd)
     o = Options(
-        duration=a.duration or (2.0 if a.quick else 10.0),
+        duration=a.duration or (2.0 if a.quick else 5.0),
+        repeat=a.repeat or (1 if a.quick else 3),
         connections=a.connections,
         pipeline=a.pipeline,
         loop=a.loop if "--loop" in mqd_serve_flags(exe) else None,
@@ -360,8 +373,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{a.tmpdir or os.environ.get('TMPDIR', '/tmp')}"
     )
     if not a.no_compare:
-        rows = [measure(s, o) for s in chosen]
-        comparison(rows, o)
+        # Rounds over all systems rather than one system's runs back to back:
+        # a burst of other activity on the machine then hits every system
+        # in one round instead of all runs of one system.
+        rounds = [[measure(s, o) for s in chosen] for _ in range(o.repeat)]
+        comparison([_median_row([r[i] for r in rounds]) for i in range(len(chosen))], o)
     if o.depth:
         depth_test(o)
     return 0
