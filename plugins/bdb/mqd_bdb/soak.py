@@ -1,0 +1,272 @@
+"""Kill a real daemon at random moments under load; check that no message is lost.
+
+Producers send unique message ids with `set`; consumers take them with plain
+`get` and with reliable reads (`get q/open`, then `get q/close`). The daemon
+runs with `sync = "always"` and is killed with SIGKILL at random moments and
+started again on the same data directory; clients reconnect and go on. At the
+end the queues are drained and the books must balance:
+
+- every message that got `STORED` was delivered, but for as many as there
+  were plain `get`s whose reply the kill cut off (a plain get removes the
+  message before it answers: at most once, as the protocol says);
+- no message was delivered twice, except one that a reliable read had open
+  (not acknowledged by a `/close` reply) when the daemon died;
+- no message was delivered that was never sent.
+
+Used by plugins/bdb/tests/test_bdb_crash.py (a short run per backend) and
+plugins/bdb/benchmarks/bdb_crash_soak.py (long runs).
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mqd.testing.daemon import Daemon
+
+CONFIG = '[queues."*"]\nsync = "always"\n'
+QUEUES = ("crash-a", "crash-b")
+
+
+class Gone(Exception):
+    """The connection died (the daemon was killed)."""
+
+
+class Client:
+    """A raw memcached-text connection that reports a dead daemon as Gone."""
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        self.sock = socket.create_connection(address, timeout=10)
+        self.buf = b""
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except OSError as exc:
+            raise Gone(str(exc)) from exc
+
+    def line(self) -> bytes:
+        while b"\r\n" not in self.buf:
+            try:
+                chunk = self.sock.recv(65536)
+            except OSError as exc:
+                raise Gone(str(exc)) from exc
+            if not chunk:
+                raise Gone("connection closed")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\r\n", 1)
+        return line
+
+    def get(self, key: str) -> bytes | None:
+        """One `get`; the value, or None for END alone."""
+        self.send(b"get %b\r\n" % key.encode())
+        line = self.line()
+        if line == b"END":
+            return None
+        if not line.startswith(b"VALUE "):
+            raise AssertionError(f"unexpected reply to get {key}: {line!r}")
+        data = self.line()
+        end = self.line()
+        if end != b"END":
+            raise AssertionError(f"unexpected end of get {key}: {end!r}")
+        return data
+
+
+@dataclass
+class Books:
+    """What the clients saw, filled in by their threads (appends are thread-safe)."""
+
+    sent: set[bytes] = field(default_factory=set)  # every id a set was tried for
+    stored: set[bytes] = field(default_factory=set)  # ids that got STORED
+    taken: list[bytes] = field(default_factory=list)  # plain gets and closed reads
+    opened: list[bytes] = field(default_factory=list)  # every id a /open returned
+    lost_open: set[bytes] = field(default_factory=set)  # open when the daemon died
+    lost_gets: int = 0  # plain gets cut off by a kill: each may have taken one
+    errors: list[str] = field(default_factory=list)
+
+    def missing(self) -> set[bytes]:
+        """Stored messages no client saw."""
+        return self.stored - set(self.taken) - set(self.opened)
+
+    def check(self) -> list[str]:
+        """What is wrong, if anything."""
+        problems = list(self.errors)
+        seen = set(self.taken) | set(self.opened)
+        missing = self.missing()
+        if len(missing) > self.lost_gets:
+            problems.append(
+                f"{len(missing)} stored message(s) never delivered, {self.lost_gets} plain"
+                f" get(s) cut off: {_few(missing)}"
+            )
+        strange = seen - self.sent
+        if strange:
+            problems.append(f"{len(strange)} message(s) delivered but never sent: {_few(strange)}")
+        finals = Counter(self.taken)
+        twice = {m for m, n in finals.items() if n > 1}
+        if twice:
+            problems.append(f"{len(twice)} message(s) taken more than once: {_few(twice)}")
+        # A message handed out again must have been open when the daemon died.
+        handouts = Counter(self.taken) + Counter(self.opened)
+        closed = Counter(self.taken)
+        for message, n in handouts.items():
+            if n > 1 and message not in self.lost_open:
+                problems.append(f"message {message!r} delivered {n} times, never lost open")
+                break
+        if not closed and self.stored:
+            problems.append("nothing was taken")
+        return problems
+
+
+def _few(items: set[bytes]) -> str:
+    return ", ".join(repr(m) for m in sorted(items)[:5])
+
+
+class Soak:
+    """Drives a daemon with producers and consumers while killing it."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        backend: str,
+        producers: int = 3,
+        consumers: int = 3,
+        seed: int | None = None,
+    ) -> None:
+        self.daemon = Daemon(workdir, backend=backend, config_text=CONFIG)
+        self.producers = producers
+        self.consumers = consumers
+        self.random = random.Random(seed)
+        self.books = Books()
+        self.kills = 0
+        self._stop_producing = threading.Event()
+        self._stop_consuming = threading.Event()
+        self._lock = threading.Lock()
+
+    # -- client threads ----------------------------------------------------
+
+    def _connect(self, stop: threading.Event) -> Client | None:
+        while not stop.is_set():
+            try:
+                return Client(self.daemon.address)
+            except OSError:
+                time.sleep(0.02)
+        return None
+
+    def _produce(self, index: int) -> None:
+        rng = random.Random(index)
+        n = 0
+        client = self._connect(self._stop_producing)
+        while client is not None and not self._stop_producing.is_set():
+            message = b"p%d-%d" % (index, n)
+            n += 1  # a new id for every attempt: a retry could store a copy
+            queue = rng.choice(QUEUES)
+            with self._lock:
+                self.books.sent.add(message)
+            try:
+                client.send(b"set %b 0 0 %d\r\n%b\r\n" % (queue.encode(), len(message), message))
+                reply = client.line()
+            except Gone:
+                client.close()
+                client = self._connect(self._stop_producing)
+                continue  # stored or not: it may be delivered, at most once
+            if reply == b"STORED":
+                with self._lock:
+                    self.books.stored.add(message)
+            elif not reply.startswith(b"SERVER_ERROR"):
+                self.books.errors.append(f"set answered {reply!r}")
+        if client is not None:
+            client.close()
+
+    def _consume(self, index: int) -> None:
+        rng = random.Random(1000 + index)
+        client = self._connect(self._stop_consuming)
+        while client is not None and not self._stop_consuming.is_set():
+            queue = rng.choice(QUEUES)
+            open_message = None
+            plain = rng.random() < 0.5
+            try:
+                if plain:
+                    message = client.get(queue)
+                    if message is not None:
+                        self.books.taken.append(message)
+                else:
+                    open_message = client.get(queue + "/open")
+                    if open_message is not None:
+                        self.books.opened.append(open_message)
+                        if client.get(queue + "/close") is not None:
+                            self.books.errors.append("/close returned a value")
+                        open_message = None
+                if rng.random() < 0.05:
+                    time.sleep(0.001)
+            except Gone:
+                with self._lock:
+                    if open_message is not None:
+                        self.books.lost_open.add(open_message)
+                    elif plain:
+                        self.books.lost_gets += 1
+                client.close()
+                client = self._connect(self._stop_consuming)
+        if client is not None:
+            client.close()
+
+    # -- the run -------------------------------------------------------------
+
+    def run(self, cycles: int, min_s: float = 0.2, max_s: float = 1.0) -> Books:
+        """Kill and restart the daemon `cycles` times under load, then drain and stop."""
+        self.daemon.start()
+        threads = [
+            threading.Thread(target=self._produce, args=(i,), daemon=True)
+            for i in range(self.producers)
+        ] + [
+            threading.Thread(target=self._consume, args=(i,), daemon=True)
+            for i in range(self.consumers)
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            for _ in range(cycles):
+                time.sleep(self.random.uniform(min_s, max_s))
+                self.daemon.kill()
+                self.kills += 1
+                self.daemon.start()
+            time.sleep(self.random.uniform(min_s, max_s))
+            self._stop_producing.set()
+            for thread in threads[: self.producers]:
+                thread.join(30)
+            self._drain()
+            self._stop_consuming.set()
+            for thread in threads[self.producers :]:
+                thread.join(30)
+            self._drain()
+        finally:
+            self._stop_producing.set()
+            self._stop_consuming.set()
+            self.daemon.kill()
+        return self.books
+
+    def _drain(self) -> None:
+        """Take what is left, until every queue stays empty for a moment."""
+        client = Client(self.daemon.address)
+        try:
+            quiet_since = time.monotonic()
+            while time.monotonic() - quiet_since < 0.5:
+                got = False
+                for queue in QUEUES:
+                    message = client.get(queue)
+                    if message is not None:
+                        self.books.taken.append(message)
+                        got = True
+                if got:
+                    quiet_since = time.monotonic()
+                else:
+                    time.sleep(0.02)
+        finally:
+            client.close()

@@ -1,0 +1,20 @@
+"""A real daemon on each Berkeley DB backend, killed at random under load, loses nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from bdb_helpers import NAMES
+from mqd_bdb.soak import Soak
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sigkill_under_load_loses_no_stored_message(name: str, tmp_path: Path) -> None:
+    soak = Soak(tmp_path, name, producers=3, consumers=3, seed=7)
+    books = soak.run(cycles=4, min_s=0.3, max_s=1.0)
+    problems = books.check()
+    assert not problems, "\n".join(problems) + "\n" + soak.daemon.log()[-3000:]
+    assert soak.kills == 4
+    assert len(books.stored) > 100
+    assert books.taken and books.opened
