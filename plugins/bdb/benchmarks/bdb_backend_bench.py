@@ -5,7 +5,7 @@ them all, on one event loop, as the broker would call the backend. Prints
 operations per second, batches and flushes for each backend and sync mode.
 
 Usage: python plugins/bdb/benchmarks/bdb_backend_bench.py [--count 50000]
-       [--producers 16] [--sync always] [--backend bdb] [--profile]
+       [--producers 16] [--sync always] [--backend bdb] [--unique] [--profile]
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ BACKENDS: dict[str, type[_BdbBackend]] = {
 }
 
 
-async def run(name: str, data_dir: Path, count: int, producers: int, sync: Sync) -> None:
+async def run(
+    name: str, data_dir: Path, count: int, producers: int, sync: Sync, unique: bool
+) -> None:
     backend = BACKENDS[name](StorageOptions(data_dir=data_dir))
     await backend.open()
     per = count // producers
@@ -39,7 +41,7 @@ async def run(name: str, data_dir: Path, count: int, producers: int, sync: Sync)
     async def producer(p: int) -> None:
         for i in range(per):
             body = b"%05d-%05d-" % (p, i) + pad
-            await backend.put("q", Message(body, created=time.time()), unique=False, sync=sync)
+            await backend.put("q", Message(body, created=time.time()), unique=unique, sync=sync)
 
     async def consumer() -> int:
         n = 0
@@ -55,8 +57,9 @@ async def run(name: str, data_dir: Path, count: int, producers: int, sync: Sync)
     start = time.perf_counter()
     taken = sum(await asyncio.gather(*(consumer() for _ in range(producers))))
     take_s = time.perf_counter() - start
+    kind = "unique" if unique else "plain"
     print(
-        f"{name:11} {sync.value:8} put {per * producers / put_s:9,.0f}/s "
+        f"{name:11} {sync.value:8} {kind:6} put {per * producers / put_s:9,.0f}/s "
         f"({b0} batches, {f0} flushes)   take {taken / take_s:9,.0f}/s "
         f"({w.batches - b0} batches, {w.flushes - f0} flushes)"
     )
@@ -70,6 +73,7 @@ def main() -> None:
     parser.add_argument("--sync", choices=[s.value for s in Sync], action="append")
     parser.add_argument("--backend", choices=list(BACKENDS), action="append")
     parser.add_argument("--dir", type=Path, help="where to put data (default: a temp dir)")
+    parser.add_argument("--unique", action="store_true", help="unique puts (as `add` makes)")
     parser.add_argument("--profile", action="store_true", help="profile the worker thread")
     args = parser.parse_args()
     profiler = cProfile.Profile() if args.profile else None
@@ -86,7 +90,9 @@ def main() -> None:
     for name in args.backend or list(BACKENDS):
         for sync in args.sync or ["always"]:
             with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-                asyncio.run(run(name, Path(tmp), args.count, args.producers, Sync(sync)))
+                asyncio.run(
+                    run(name, Path(tmp), args.count, args.producers, Sync(sync), args.unique)
+                )
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
