@@ -34,6 +34,7 @@ log = logging.getLogger("mqd.bdb")
 STOP = -1  # operation code of the job that closes the store and ends the thread
 CHECK_S = 1.0  # how often to consider a checkpoint while changes are being made
 MAX_GATHER_S = 0.002  # the longest a sync waits for more writers
+MAX_BATCH_BYTES = 8 << 20  # a batch of large messages ends after this many body bytes
 
 ALWAYS = Sync.ALWAYS
 PERIODIC = Sync.PERIODIC
@@ -211,14 +212,17 @@ class Worker:
         stop: jobs.Job | None = None
         batch: list[jobs.Job] = []
         limit = self.max_batch
+        room = MAX_BATCH_BYTES
         while True:
-            while ready and len(batch) < limit:
+            while ready and len(batch) < limit and room > 0:
                 job = ready.popleft()
                 if job[0] == STOP:
                     stop = job
                     break
                 batch.append(job)
-            if stop is not None or len(batch) >= limit or not self._take(0):
+                if job[0] == jobs.PUT:
+                    room -= len(job[2][0].body)
+            if stop is not None or len(batch) >= limit or room <= 0 or not self._take(0):
                 break
         writers = 0
         periodic = False

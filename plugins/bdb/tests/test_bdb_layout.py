@@ -1,0 +1,118 @@
+"""Files on disk: what each layout creates, frees and keeps open."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+from bdb_helpers import ALWAYS, NAMES, drain, make, put, session
+from berkeleydb import db
+from mqd_bdb.backend import _BdbBackend
+from mqd_bdb.names import encode_name, file_stem
+from mqd_bdb.store import ENV_FLAGS
+
+from mqd.backend import Message
+
+
+def files(data_dir: Path) -> set[str]:
+    return {p.name for p in data_dir.iterdir() if not p.name.startswith("log.")}
+
+
+def test_bdb_delete_removes_the_queue_files(tmp_path: Path) -> None:
+    stem = file_stem(encode_name("Jobs"))
+
+    async def body(b: _BdbBackend) -> None:
+        await put(b, "Jobs", b"x")
+        assert {stem + ".btree", stem + ".hash"} <= files(tmp_path)
+        assert await b.delete("Jobs", sync=ALWAYS) is True
+        assert files(tmp_path) == {"LOCK", "catalog.db"}
+
+    session("bdb", tmp_path, body)
+
+
+@pytest.mark.parametrize("name", ["bdb-single", "bdb-random"])
+def test_single_file_delete_purges_records(name: str, tmp_path: Path) -> None:
+    async def body(b: _BdbBackend) -> None:
+        for i in range(1200):
+            await put(b, "big", b"%d" % i, sync=ALWAYS)
+        await put(b, "small", b"keep")
+        await b.reserve("big", lease=0, sync=ALWAYS)
+        assert await b.delete("big", sync=ALWAYS) is True
+        assert await b.queues() == ["small"]
+        # A new queue of the same name starts afresh while the old one is purged.
+        assert await put(b, "big", b"new") == 0
+        for _ in range(200):
+            if not b.worker.store.purges:
+                break
+            await asyncio.sleep(0.01)
+        assert not b.worker.store.purges
+        assert await b.recover() == []
+
+    session(name, tmp_path, body)
+    assert files(tmp_path) == {"LOCK", "queues.db"}
+    env = db.DBEnv()
+    env.open(str(tmp_path), ENV_FLAGS)
+    try:
+        handle = db.DB(env)
+        handle.open("queues.db", None, db.DB_BTREE, db.DB_AUTO_COMMIT)
+        records = len(handle.keys())
+        handle.close()
+    finally:
+        env.close()
+    # Left: two catalog entries, the next queue id, and two messages.
+    assert records == 5
+
+
+def test_bdb_keeps_a_bounded_number_of_files_open(tmp_path: Path) -> None:
+    def open_files() -> int:
+        fds = os.listdir("/proc/self/fd")
+        return sum(
+            1
+            for fd in fds
+            if os.path.realpath(f"/proc/self/fd/{fd}").startswith(str(tmp_path) + "/q-")
+        )
+
+    async def main() -> None:
+        b = make("bdb", tmp_path, max_open_queues=3)
+        await b.open()
+        try:
+            for round_ in range(3):
+                for q in range(12):
+                    await put(b, f"q{q}", b"%d" % round_)
+                    assert open_files() <= 2 * 4
+            for q in range(12):
+                assert [m.body for m in await drain(b, f"q{q}")] == [b"0", b"1", b"2"]
+        finally:
+            await b.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_old_log_files_are_removed(name: str, tmp_path: Path) -> None:
+    async def body(b: _BdbBackend) -> None:
+        for i in range(4000):
+            await put(b, "q", b"%05d" % i + b"x" * 1000, sync=ALWAYS)
+        await drain(b, "q")
+
+    session(name, tmp_path, body, log_file_mb=1)
+    logs = [p for p in tmp_path.iterdir() if p.name.startswith("log.")]
+    assert len(logs) <= 2
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_large_messages_round_trip(name: str, tmp_path: Path) -> None:
+    big = bytes(range(256)) * 4096  # 1 MiB
+
+    async def first(b: _BdbBackend) -> None:
+        for i in range(3):
+            await b.put("q", Message(big[i:] + big[:i]), unique=False, sync=ALWAYS)
+
+    async def second(b: _BdbBackend) -> None:
+        got = sorted(m.body for m in await drain(b, "q"))
+        assert got == sorted(big[i:] + big[:i] for i in range(3))
+
+    session(name, tmp_path, first)
+    session(name, tmp_path, second)
