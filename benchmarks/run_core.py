@@ -106,7 +106,8 @@ def throughput(mc: Server, mq: Server, s: Settings) -> None:
             for name, res in (("memcached", a), ("mqd", b)):
                 spread = ", ".join(fmt_rate(r.ops_per_s) for r in runs[name])
                 console.print(
-                    f"  {conns} x {depth} {name}: median {res.summary()} [runs: {spread}]"
+                    f"  {conns} x {depth} {name}: runs {spread} ops/s; median's p50 "
+                    f"{fmt_ms(res.p50)} ms p99 {fmt_ms(res.p99)} ms, {res.hits:,} messages out"
                 )
             rows.append(
                 [
