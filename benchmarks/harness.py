@@ -8,6 +8,7 @@ when its `with` block ends, also on errors and Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -178,7 +179,10 @@ class Server:
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                # Its own session, so its process group holds only it and
+                # what it forked (Redis's rewrite child, say): end them all.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
         self._log.close()
         self._tmp.cleanup()
