@@ -1,8 +1,9 @@
 """Queues in one transactional Berkeley DB environment.
 
-Everything here runs on the environment's single worker thread (mqd_bdb.worker),
-so no handle is shared between threads and the environment needs no DB_THREAD.
-The worker hands a store a batch of jobs; the store runs them in one
+Everything here runs on the environment's worker thread (mqd_bdb.worker), but
+flush(), trickle() and checkpoint(), which the keeper thread calls: no database
+handle is shared between threads, only the environment, opened DB_THREAD. The
+worker hands a store a batch of jobs; the store runs them in one
 transaction and, should anything in it fail, aborts and runs them again one
 transaction each, so one bad job fails alone.
 
@@ -71,6 +72,7 @@ ENV_FLAGS = (
     | db.DB_INIT_MPOOL
     | db.DB_RECOVER  # replay the log: every file consistent whatever the last exit
     | db.DB_PRIVATE  # one process; regions in its memory, no stale region files
+    | db.DB_THREAD  # the keeper thread syncs and checkpoints beside the worker
 )
 CHUNK = 500  # records per transaction when purging a queue or counting its bodies
 INLINE_INDEX = 1000  # a queue this small has its bodies counted inside the batch
@@ -559,6 +561,10 @@ class Store:
     def flush(self) -> None:
         """Force the log to stable storage: the one sync of a batch."""
         self.env.log_flush()
+
+    def trickle(self, percent: int) -> None:
+        """Write dirty pages out until `percent` of the cache is clean."""
+        self.env.memp_trickle(percent)
 
     def checkpoint(self, force: bool) -> None:
         """Write dirty pages and a checkpoint if enough log has accumulated (or `force`)."""

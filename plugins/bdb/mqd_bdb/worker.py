@@ -1,4 +1,4 @@
-"""The one thread that does all of an environment's Berkeley DB work.
+"""The threads that do an environment's Berkeley DB work.
 
 The event loop hands jobs over in bundles and awaits their futures. The worker
 takes whatever has arrived (up to `max_batch` jobs) and runs it in one
@@ -10,8 +10,11 @@ writers as the last sync had, running what they send: one sync for all of
 them costs less than two. All results of a sync go back to the loop in one
 call_soon_threadsafe.
 
-Between batches the worker syncs for `Sync.PERIODIC`, checkpoints, closes idle
-files and purges deleted queues.
+Between batches the worker closes idle files and purges deleted queues. A
+second thread, the keeper, syncs the log for `Sync.PERIODIC`, writes dirty
+pages out ahead of time and checkpoints, so that none of that stalls the
+worker; it uses the environment alone (opened DB_THREAD for it), never a
+database handle.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from mqd_bdb.store import Store, storage_error
 log = logging.getLogger("mqd.bdb")
 
 STOP = -1  # operation code of the job that closes the store and ends the thread
-CHECK_S = 1.0  # how often to consider a checkpoint while changes are being made
+CHECK_S = 1.0  # how often the keeper looks at the cache and the log while changes come
+TRICKLE_PERCENT = 20  # the keeper writes dirty pages out until this much of the cache is clean
 MAX_GATHER_S = 0.002  # the longest a sync waits for more writers
 MAX_BATCH_BYTES = 8 << 20  # a batch of large messages ends after this many body bytes
 
@@ -60,6 +64,16 @@ class Worker:
         self.max_batch = store.config.max_batch
         self.inbox: queue.SimpleQueue[list[jobs.Job]] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="mqd-bdb", daemon=True)
+        self._keeper = threading.Thread(target=self._keep, name="mqd-bdb-keeper", daemon=True)
+        # The keeper's state, under its condition: the environment is used by
+        # it only while `_env_open`; changes since it last looked; when
+        # periodic writes must be synced by.
+        self._keeper_cond = threading.Condition(threading.Lock())
+        self._env_open = False
+        self._changed = False
+        self._periodic_due: float | None = None
+        self._keeper_stop = False
+        self._busy = False
         self._ready: deque[jobs.Job] = deque()  # taken from the inbox, not yet run
         self._opened: asyncio.Future[dict[str, QueueSize]] | None = None
         self._expected = 0  # writers the last sync answered
@@ -114,6 +128,8 @@ class Worker:
         except BaseException as exc:
             self._post(_settle, opened, storage_error(exc), None)
             return
+        self._env_open = True
+        self._keeper.start()
         self._post(_settle, opened, None, sizes)
         self._serve()
 
@@ -132,42 +148,15 @@ class Worker:
 
     def _serve(self) -> None:
         store = self.store
-        periodic_due: float | None = None
-        next_check = 0.0
-        last_checkpoint = time.monotonic()
-        changed = False  # since the last checkpoint
         while True:
-            if store.purges:
-                timeout: float | None = 0.0
-            else:
-                due = [periodic_due] if periodic_due is not None else []
-                if changed:
-                    due.append(next_check)
-                timeout = max(0.0, min(due) - time.monotonic()) if due else None
-            idle = not self._ready and not self._take(timeout)
+            idle = not self._ready and not self._take(0.0 if store.purges else None)
             try:
                 if not idle:
                     synced, periodic, stop = self._round()
-                    changed = True
-                    if synced:
-                        periodic_due = None  # that sync covered the periodic writes too
-                    elif periodic and periodic_due is None:
-                        periodic_due = time.monotonic() + self.sync_interval_s
+                    self._note(synced, periodic)
                     if stop is not None:
                         self._close(stop)
                         return
-                now = time.monotonic()
-                if periodic_due is not None and now >= periodic_due:
-                    periodic_due = None
-                    store.flush()
-                    self.flushes += 1
-                if changed and now >= next_check:
-                    next_check = now + CHECK_S
-                    force = now - last_checkpoint >= store.config.checkpoint_s
-                    store.checkpoint(force)
-                    if force:
-                        last_checkpoint = now
-                        changed = False
                 store.trim()
                 if idle and store.purges:
                     store.purge_step()
@@ -176,6 +165,30 @@ class Worker:
                 # already; this is housekeeping, to be tried again.
                 log.exception("Berkeley DB housekeeping failed")
                 time.sleep(0.01)
+
+    def _note(self, synced: bool, periodic: bool) -> None:
+        """Tell the keeper about a round: changes to checkpoint, periodic writes to sync."""
+        with self._keeper_cond:
+            if not self._changed:
+                self._changed = True
+                self._keeper_cond.notify()
+            if synced:
+                self._periodic_due = None  # that sync covered them
+            elif periodic and self._periodic_due is None:
+                self._periodic_due = time.monotonic() + self.sync_interval_s
+                self._keeper_cond.notify()
+
+    def _pause_keeper(self) -> None:
+        """Keep the keeper off the environment (before closing it)."""
+        with self._keeper_cond:
+            self._env_open = False
+            while self._busy:
+                self._keeper_cond.wait()
+
+    def _resume_keeper(self) -> None:
+        with self._keeper_cond:
+            self._env_open = True
+            self._keeper_cond.notify()
 
     def _round(self) -> tuple[bool, bool, jobs.Job | None]:
         """Run batches up to one sync; (synced, any PERIODIC job, the STOP job if met)."""
@@ -236,7 +249,9 @@ class Worker:
         done = len(results)
         try:
             if store.panicked:
+                self._pause_keeper()
                 published.update(store.reopen())
+                self._resume_keeper()
                 log.warning("Berkeley DB environment in %s recovered", store.data_dir)
             store.execute(batch, results, published)
         except Exception as exc:
@@ -260,11 +275,17 @@ class Worker:
 
     def _close(self, stop: jobs.Job) -> None:
         log.debug(
-            "Berkeley DB worker: %d jobs in %d batches, %d log syncs",
+            "Berkeley DB worker: %d jobs in %d batches, %d log syncs of %.0f us",
             self.jobs,
             self.batches,
             self.flushes,
+            self._sync_s * 1e6,
         )
+        with self._keeper_cond:
+            self._keeper_stop = True
+            self._env_open = False
+            self._keeper_cond.notify()
+        self._keeper.join()
         error: BaseException | None = None
         try:
             self.store.close()
@@ -272,6 +293,55 @@ class Worker:
             error = storage_error(exc)
         if stop[4] is not None:
             self._post(_settle, stop[4], error, None)
+
+    # -- keeper thread -------------------------------------------------------
+
+    def _keep(self) -> None:
+        store = self.store
+        cond = self._keeper_cond
+        next_look = time.monotonic() + CHECK_S
+        last_checkpoint = time.monotonic()
+        pending = False  # changes not yet covered by a timed checkpoint
+        while True:
+            with cond:
+                while True:
+                    if self._keeper_stop:
+                        return
+                    now = time.monotonic()
+                    due = self._periodic_due
+                    changes = self._changed or pending
+                    sync_due = due is not None and now >= due
+                    look = changes and now >= next_look
+                    if self._env_open and (sync_due or look):
+                        break
+                    wake = next_look if changes else None
+                    if due is not None:
+                        wake = due if wake is None else min(wake, due)
+                    cond.wait(None if wake is None else max(wake - now, 0.001))
+                if sync_due:
+                    self._periodic_due = None
+                if look:
+                    self._changed = False
+                self._busy = True  # the environment stays open until this ends
+            try:
+                if sync_due:
+                    store.flush()
+                    self.flushes += 1
+                if look:
+                    next_look = now + CHECK_S
+                    pending = True
+                    store.trickle(TRICKLE_PERCENT)
+                    timed = now - last_checkpoint >= store.config.checkpoint_s
+                    store.checkpoint(timed)
+                    if timed:
+                        last_checkpoint = now
+                        pending = False
+            except Exception:
+                log.exception("Berkeley DB upkeep failed")
+            finally:
+                with cond:
+                    self._busy = False
+                    cond.notify_all()
 
 
 def _settle(future: asyncio.Future[Any], error: BaseException | None, value: Any) -> None:
