@@ -75,6 +75,7 @@ class StorageOptions:
     data_dir: Path = Path("data")
     sync_interval_ms: int = 1000
     extra: dict[str, Any] = field(default_factory=dict)  # the [storage.<name>] table
+    config_path: Path | None = None  # the file `extra` came from, for error messages
 
 
 class Backend(abc.ABC):

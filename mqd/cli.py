@@ -26,6 +26,14 @@ config_option = click.option(
 )
 
 
+def _backend(cfg: configuration.Config) -> backends.Backend:
+    """The configured backend, built (its options validated) but not opened."""
+    try:
+        return backends.load(cfg.backend)(cfg.storage_options())
+    except MqdError as error:
+        raise click.ClickException(str(error)) from None
+
+
 def _load(config_path: Path | None, **overrides: Any) -> configuration.Config:
     try:
         return configuration.load(config_path, **overrides)
@@ -74,9 +82,8 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    storage = _backend(cfg)
     try:
-        backend_class = backends.load(cfg.backend)
-        storage = backend_class(cfg.storage_options())
         server.run(cfg, storage, reload=lambda: configuration.load(config_path, **flags))
     except MqdError as error:
         raise click.ClickException(str(error)) from None
@@ -89,11 +96,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
 def check_config(config_path: Path | None) -> None:
     """Validate a config file and the backend it names; exit non-zero if bad."""
     cfg = _load(config_path)
-    try:
-        backend_class = backends.load(cfg.backend)
-    except MqdError as error:
-        raise click.ClickException(str(error)) from None
-    caps = ", ".join(sorted(c.value for c in backend_class.capabilities))
+    caps = ", ".join(sorted(c.value for c in _backend(cfg).capabilities))
     click.echo(f"{cfg.path or 'defaults'}: OK")
     click.echo(
         f"listen {cfg.listen}:{cfg.port}, backend {cfg.backend} ({caps}), data {cfg.data_dir}"

@@ -61,7 +61,8 @@ class Config:
     backend: str = "bdb"
     data_dir: Path = Path("data")
     sync_interval_ms: int = 1000
-    backend_options: dict[str, Any] = field(default_factory=dict)
+    # [storage.<name>] tables, by backend name: each belongs to its backend
+    backend_tables: dict[str, dict[str, Any]] = field(default_factory=dict)
     # [queues."<glob>"], in file order; later matches override earlier ones
     queues: tuple[tuple[str, dict[str, Any]], ...] = ()
 
@@ -81,9 +82,10 @@ class Config:
 
     def storage_options(self) -> StorageOptions:
         return StorageOptions(
+            config_path=self.path,
             data_dir=self.data_dir,
             sync_interval_ms=self.sync_interval_ms,
-            extra=self.backend_options,
+            extra=self.backend_tables.get(self.backend, {}),
         )
 
     @property
@@ -97,8 +99,12 @@ _QUEUE_DEFAULTS = QueueSettings()
 # -- validation ---------------------------------------------------------------
 
 
-class _Checker:
-    """Reads typed values out of a TOML table, naming file and key in every error."""
+class TableReader:
+    """Reads typed values out of a TOML table, naming file and key in every error.
+
+    Backends validate their `[storage.<name>]` table with it too, so every
+    config error reads the same way.
+    """
 
     def __init__(self, path: Path | None, table: dict[str, Any], prefix: str) -> None:
         self.path = path
@@ -125,10 +131,11 @@ class _Checker:
             raise self.fail(key, value, allowed)
         return value
 
-    def number(self, key: str, low: float = 0.0) -> float:
-        allowed = f"must be a number of at least {low}"
+    def number(self, key: str, low: float = 0.0, *, above: bool = False) -> float:
+        """A number of at least `low` (more than `low` with `above`)."""
+        allowed = f"must be a number {'above' if above else 'of at least'} {low}"
         value = self.take(key, (int, float), allowed)
-        if value < low:
+        if value < low or (above and value == low):
             raise self.fail(key, value, allowed)
         return float(value)
 
@@ -184,7 +191,7 @@ _QUEUE_KEYS: dict[str, str] = {
 }
 
 
-def _read(check: _Checker, kinds: dict[str, str]) -> dict[str, Any]:
+def _read(check: TableReader, kinds: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, kind in kinds.items():
         if key not in check.table:
@@ -215,7 +222,7 @@ def _read(check: _Checker, kinds: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def _table(check: _Checker, key: str) -> dict[str, Any]:
+def _table(check: TableReader, key: str) -> dict[str, Any]:
     if key not in check.table:
         return {}
     return dict(check.take(key, dict, "must be a table"))
@@ -223,33 +230,29 @@ def _table(check: _Checker, key: str) -> dict[str, Any]:
 
 def parse(data: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
     """Validate a parsed TOML document; return the Config fields it sets."""
-    top = _Checker(path, data, "")
+    top = TableReader(path, data, "")
     server = _table(top, "server")
     storage = _table(top, "storage")
     queues = _table(top, "queues")
     top.leftovers(["server", "storage", "queues"])
 
-    fields = _read(_Checker(path, server, "server."), _SERVER_KEYS)
-    storage_check = _Checker(path, storage, "storage.")
-    backend_options: dict[str, Any] = {}
-    backend = storage.get("backend")
-    # The table named after the backend belongs to the backend, unvalidated here.
-    if isinstance(backend, str) and isinstance(storage.get(backend), dict):
-        backend_options = storage_check.table.pop(backend)
-    for key in [k for k, v in storage_check.table.items() if isinstance(v, dict)]:
-        storage_check.table.pop(key)  # options of other backends: kept for switching
+    fields = _read(TableReader(path, server, "server."), _SERVER_KEYS)
+    storage_check = TableReader(path, storage, "storage.")
+    # Tables are backends' options, validated by the backend chosen (which
+    # --backend may change after the file is read).
+    tables = {k: storage_check.table.pop(k) for k, v in storage.items() if isinstance(v, dict)}
     fields.update(_read(storage_check, _STORAGE_KEYS))
-    if backend_options:
-        fields["backend_options"] = backend_options
+    if tables:
+        fields["backend_tables"] = tables
 
-    tables = []
+    patterns = []
     for pattern, values in queues.items():
         if not isinstance(values, dict):
             raise top.fail(f'queues."{pattern}"', values, "must be a table of queue settings")
-        check = _Checker(path, values, f'queues."{pattern}".')
-        tables.append((pattern, _read(check, _QUEUE_KEYS)))
-    if tables:
-        fields["queues"] = tuple(tables)
+        check = TableReader(path, values, f'queues."{pattern}".')
+        patterns.append((pattern, _read(check, _QUEUE_KEYS)))
+    if patterns:
+        fields["queues"] = tuple(patterns)
     return fields
 
 

@@ -202,3 +202,14 @@ def test_stats_command_prints_tables(daemon: Daemon, q: str) -> None:
     row = next(line for line in result.stdout.splitlines() if q in line)
     assert row.split("│")[2].strip() == "1"  # items
     assert mqd("stats", "--port", "1").returncode != 0
+
+
+def test_backend_options_errors_name_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[storage.bdb]\ncache_mb = -1\n")
+    result = mqd("check-config", "--config", str(path))
+    assert result.returncode != 0
+    assert f"{path}: storage.bdb.cache_mb = -1: must be a whole number from 1" in result.stderr
+    # Each table belongs to the backend of its name; another backend ignores it.
+    path.write_text('[storage]\nbackend = "bdb-single"\n[storage.bdb]\ncache_mb = -1\n')
+    assert mqd("check-config", "--config", str(path)).returncode == 0

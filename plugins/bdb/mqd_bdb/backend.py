@@ -34,7 +34,9 @@ class _BdbBackend(Backend):
 
     def __init__(self, options: StorageOptions) -> None:
         super().__init__(options)
-        self.config = BdbConfig.from_table(options.extra, f"storage.{self.name}")
+        self.config = BdbConfig.from_table(
+            options.extra, options.config_path, f"storage.{self.name}"
+        )
         self._sizes: dict[str, QueueSize] = {}
         self._worker: Worker | None = None
         self._outbox: list[jobs.Job] = []

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from mqd.errors import ConfigError
+from mqd.config import TableReader
 
 
 @dataclass(frozen=True)
@@ -38,34 +39,22 @@ class BdbConfig:
     max_locks: int = 20000
 
     @classmethod
-    def from_table(cls, table: Mapping[str, Any], where: str) -> BdbConfig:
-        """Validate a config table; ConfigError names the key and what is allowed."""
-        known = {f.name: f for f in dataclasses.fields(cls)}
+    def from_table(cls, table: Mapping[str, Any], path: Path | None, where: str) -> BdbConfig:
+        """Validate a config table; ConfigError names file, key, value and what is allowed."""
+        reader = TableReader(path, dict(table), f"{where}.")
+        fields = dataclasses.fields(cls)
         values: dict[str, Any] = {}
-        for key, value in table.items():
-            spec = known.get(key)
-            if spec is None:
-                allowed = ", ".join(sorted(known))
-                raise ConfigError(f"{where}: unknown key {key!r} (allowed: {allowed})")
-            values[key] = _check(where, key, value, spec.default)
+        for spec in fields:
+            if spec.name not in reader.table:
+                continue
+            if isinstance(spec.default, float):
+                values[spec.name] = reader.number(spec.name, 0.0, above=True)
+            else:
+                values[spec.name] = reader.integer(spec.name, 0 if spec.name == "page_size" else 1)
+        reader.leftovers([spec.name for spec in fields])
         config = cls(**values)
-        if config.page_size and (
-            config.page_size & (config.page_size - 1) or not 512 <= config.page_size <= 65536
-        ):
-            raise ConfigError(
-                f"{where}: page_size must be 0 or a power of two from 512 to 65536,"
-                f" got {config.page_size}"
-            )
+        size = config.page_size
+        if size and (size & (size - 1) or not 512 <= size <= 65536):
+            allowed = "must be 0 or a power of two from 512 to 65536"
+            raise reader.fail("page_size", size, allowed)
         return config
-
-
-def _check(where: str, key: str, value: Any, default: Any) -> Any:
-    minimum = 0 if key == "page_size" else 1
-    if isinstance(default, float):
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
-        if not ok:
-            raise ConfigError(f"{where}: {key} must be a positive number, got {value!r}")
-        return float(value)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
-    return value

@@ -162,11 +162,15 @@ def test_full_disk_loses_nothing_acknowledged(name: str, tmp_path: Path) -> None
 
 
 def test_bad_options_are_config_errors(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="unknown key 'cache'"):
+    with pytest.raises(
+        ConfigError, match=r"storage\.bdb\.cache = 3: unknown key; known keys: cache_mb"
+    ):
         make("bdb", tmp_path, cache=3)
-    with pytest.raises(ConfigError, match="cache_mb must be an integer"):
+    with pytest.raises(
+        ConfigError, match=r"storage\.bdb-single\.cache_mb = 'big': must be a whole"
+    ):
         make("bdb-single", tmp_path, cache_mb="big")
-    with pytest.raises(ConfigError, match="page_size"):
+    with pytest.raises(ConfigError, match=r"page_size = 1000: must be 0 or a power of two"):
         make("bdb-random", tmp_path, page_size=1000)
     make("bdb", tmp_path, cache_mb=8, page_size=8192, checkpoint_s=5)
 
