@@ -27,6 +27,7 @@ import pytest
 from mqd.backend import Backend, Capability, Message, Sync
 
 T = TypeVar("T")
+B = TypeVar("B", bound=Backend)
 
 ALWAYS = Sync.ALWAYS
 
@@ -53,6 +54,19 @@ HOSTILE_NAMES = [
 ]
 
 
+def run_with(backend: B, body: Callable[[B], Awaitable[T]]) -> T:
+    """Open `backend`, run `body` with it in a fresh event loop, close it."""
+
+    async def main() -> T:
+        await backend.open()
+        try:
+            return await body(backend)
+        finally:
+            await backend.close()
+
+    return asyncio.run(main())
+
+
 class BackendConformance:
     """Mixin of tests; subclass it and define `make_backend`."""
 
@@ -71,16 +85,7 @@ class BackendConformance:
 
     def session(self, data_dir: Path, body: Callable[[Backend], Awaitable[T]]) -> T:
         """Open a backend on `data_dir`, run `body` with it, close it."""
-
-        async def main() -> T:
-            backend = self.make_backend(data_dir)
-            await backend.open()
-            try:
-                return await body(backend)
-            finally:
-                await backend.close()
-
-        return asyncio.run(main())
+        return run_with(self.make_backend(data_dir), body)
 
     @staticmethod
     async def put(backend: Backend, queue: str, body: bytes, **fields: Any) -> int | None:

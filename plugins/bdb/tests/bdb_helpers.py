@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -10,6 +9,7 @@ from typing import Any, TypeVar
 import pytest
 
 from mqd.backend import Backend, Message, StorageOptions, Sync
+from mqd.testing.conformance import run_with
 
 pytest.importorskip(
     "berkeleydb",
@@ -40,16 +40,7 @@ def session(
     name: str, data_dir: Path, body: Callable[[_BdbBackend], Awaitable[T]], **extra: Any
 ) -> T:
     """Open backend `name` on `data_dir`, run `body` with it, close it."""
-
-    async def main() -> T:
-        backend = make(name, data_dir, **extra)
-        await backend.open()
-        try:
-            return await body(backend)
-        finally:
-            await backend.close()
-
-    return asyncio.run(main())
+    return run_with(make(name, data_dir, **extra), body)
 
 
 async def put(backend: Backend, queue: str, body: bytes, sync: Sync = ALWAYS) -> int | None:
