@@ -8,8 +8,8 @@ worker thread or through an async client, and should group work that arrives
 together so that many writers share one flush.
 
 Queue names are `str` decoded from the wire bytes as UTF-8 with
-`surrogateescape`, so `name.encode("utf-8", "surrogateescape")` gives back the
-exact bytes the client sent. Names are data: a backend must store any name the
+`surrogateescape` (name_text), so name_bytes(name) gives back the exact bytes
+the client sent. Names are data: a backend must store any name the
 protocol allows (`..`, `con`, names differing only in case, 250 bytes) safely
 and separately.
 """
@@ -27,6 +27,16 @@ from typing import Any, ClassVar
 from mqd.errors import BackendLoadError
 
 ENTRY_POINT_GROUP = "mqd.backends"
+
+
+def name_bytes(name: str) -> bytes:
+    """The exact wire bytes of a queue name."""
+    return name.encode("utf-8", "surrogateescape")
+
+
+def name_text(raw: bytes) -> str:
+    """The queue name for wire bytes: the inverse of name_bytes."""
+    return raw.decode("utf-8", "surrogateescape")
 
 
 class Capability(enum.StrEnum):

@@ -27,6 +27,7 @@ from mqd.protocol import REPLY, Key, Retrieve, Store
 
 log = logging.getLogger(__name__)
 
+SETTINGS_CACHE = 65536  # queues whose resolved settings are remembered
 THIRTY_DAYS = 60 * 60 * 24 * 30  # memcached: larger exptimes are absolute Unix times
 
 STORED = REPLY["stored"]
@@ -138,9 +139,12 @@ class Broker:
         self._settings.clear()
 
     def settings(self, queue: str) -> QueueSettings:
+        """The queue's settings, resolved once and cached."""
         try:
             return self._settings[queue]
         except KeyError:
+            if len(self._settings) >= SETTINGS_CACHE:
+                self._settings.clear()  # names are client-chosen: keep the cache bounded
             settings = self._settings[queue] = self.config.queue_settings(queue)
             return settings
 
@@ -242,7 +246,6 @@ class Broker:
                 raise
             # Messages already taken must reach the client: answer with them.
             log.exception("get failed after %d value(s); sending those", len(out))
-            hits = len(out)
         self.counters.get_hits += len(out)
         self.counters.get_misses += len(keys) - len(out)
         out.append(END)

@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mqd.backend import name_bytes, name_text
 from mqd.errors import ClientError, ProtocolError, ServerError, UnknownCommand
 
 MAX_NAME = 250  # bytes in a queue name
@@ -171,12 +172,7 @@ def queue_name(raw: bytes) -> str | None:
     """The queue name `raw` names, or None if the protocol does not allow it."""
     if not 0 < len(raw) <= MAX_NAME or _BAD_NAME_BYTE.search(raw):
         return None
-    return raw.decode("utf-8", "surrogateescape")
-
-
-def decode_name(name: str) -> bytes:
-    """The wire bytes of a queue name (inverse of queue_name)."""
-    return name.encode("utf-8", "surrogateescape")
+    return name_text(raw)
 
 
 _FLAG_OPTIONS = {b"open": "open", b"close": "close", b"abort": "abort", b"peek": "peek"}
@@ -487,7 +483,7 @@ def value(key: bytes, flags: int, body: bytes, offset: int | None = None) -> byt
 def stat(name: str | bytes, val: object) -> bytes:
     """One `STAT` line."""
     if isinstance(name, str):
-        name = name.encode("utf-8", "surrogateescape")
+        name = name_bytes(name)
     return b"STAT %b %b\r\n" % (name, str(val).encode())
 
 

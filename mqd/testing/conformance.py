@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from mqd.backend import Backend, Capability, Message, Sync
+from mqd.backend import Backend, Capability, Message, Sync, name_bytes
 
 T = TypeVar("T")
 B = TypeVar("B", bound=Backend)
@@ -309,11 +309,11 @@ class BackendConformance:
     def test_hostile_names_are_separate_and_contained(self, data_dir: Path) -> None:
         async def body(b: Backend) -> None:
             for name in HOSTILE_NAMES:
-                await self.put(b, name, name.encode("utf-8", "surrogateescape"))
+                await self.put(b, name, name_bytes(name))
             assert sorted(await b.queues()) == sorted(set(HOSTILE_NAMES))
             for name in HOSTILE_NAMES:
                 m = await b.take(name, sync=ALWAYS)
-                assert m is not None and m.body == name.encode("utf-8", "surrogateescape")
+                assert m is not None and m.body == name_bytes(name)
                 assert await b.delete(name, sync=ALWAYS) is True
 
         self.session(data_dir, body)

@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import hashlib
 
+from mqd.backend import name_bytes as encode_name
+from mqd.backend import name_text as decode_name
+
+__all__ = ["decode_name", "encode_name", "escape", "file_stem", "stem_name", "unescape"]
+
 #: Bytes that stand for themselves in a file name.
 SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789_-")
 #: Longest escaped name used as is; far below NAME_MAX (255) with prefix and
@@ -20,16 +25,6 @@ SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789_-")
 MAX_ESCAPED = 120
 
 _HEX = frozenset(b"0123456789abcdef")
-
-
-def encode_name(name: str) -> bytes:
-    """The exact wire bytes of a queue name (decoded as UTF-8 with surrogateescape)."""
-    return name.encode("utf-8", "surrogateescape")
-
-
-def decode_name(raw: bytes) -> str:
-    """The queue name for wire bytes: the inverse of encode_name."""
-    return raw.decode("utf-8", "surrogateescape")
 
 
 def escape(raw: bytes) -> str:
