@@ -186,7 +186,8 @@ class Broker:
         if offset is None:  # the body is already in the queue
             return NOT_STORED if command.add else STORED
         self._counters(queue).enqueued += 1
-        self._wake(queue)
+        if self._waiters:
+            self._wake(queue)
         return STORED
 
     async def _make_room(self, queue: str, settings: QueueSettings, size: int) -> bool:
@@ -223,8 +224,9 @@ class Broker:
                 self.counters.get_misses += 1
                 return END
             self.counters.get_hits += 1
-            offset = message.offset if command.with_ids else None
-            return protocol.value(key.raw, message.flags, message.body, offset) + END
+            if command.with_ids:
+                return protocol.value(key.raw, message.flags, message.body, message.offset) + END
+            return protocol.single_value(key.raw, message.flags, message.body)
         self._check_keys(keys, session)
         self.counters.cmd_get += len(keys)
         loop = asyncio.get_running_loop()

@@ -474,10 +474,13 @@ _HANDLERS: dict[bytes, Callable[[Parser, list[bytes]], Command | None]] = {
 def value(key: bytes, flags: int, body: bytes, offset: int | None = None) -> bytes:
     """One `VALUE` block; with `offset` it is the `gets` form."""
     if offset is None:
-        head = b"VALUE %b %d %d\r\n" % (key, flags, len(body))
-    else:
-        head = b"VALUE %b %d %d %d\r\n" % (key, flags, len(body), offset)
-    return head + body + b"\r\n"
+        return b"VALUE %b %d %d\r\n%b\r\n" % (key, flags, len(body), body)
+    return b"VALUE %b %d %d %d\r\n%b\r\n" % (key, flags, len(body), offset, body)
+
+
+def single_value(key: bytes, flags: int, body: bytes) -> bytes:
+    """A whole `get` reply of one VALUE, built in one step (the common reply)."""
+    return b"VALUE %b %d %d\r\n%b\r\nEND\r\n" % (key, flags, len(body), body)
 
 
 def stat(name: str | bytes, val: object) -> bytes:
