@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from loadgen import LoadResult, LoadSpec, run_load
 from rich.console import Console
@@ -220,6 +221,23 @@ def checked_load(server: Server, spec: LoadSpec) -> LoadResult:
     if res.errors:
         raise RuntimeError(f"{server.name}: {res.errors[0]}; {server.state()}")
     return res
+
+
+def fill(server: Server, queue: str, count: int, size: int, **extra: Any) -> LoadResult:
+    """Enqueue `count` messages of `size` bytes on `queue`, pipelined 64 deep."""
+    spec = LoadSpec(
+        host=HOST,
+        port=server.port,
+        workload="set",
+        connections=8,
+        depth=64,
+        duration=None,
+        ops=count,
+        queue=queue,
+        size=size,
+        **extra,
+    )
+    return checked_load(server, spec)
 
 
 def memcached(threads: int = 1) -> Server:

@@ -42,6 +42,7 @@ from harness import (
     Server,
     checked_load,
     console,
+    fill,
     find_mqd,
     fmt_ms,
     fmt_rate,
@@ -258,23 +259,8 @@ def depth_test(o: Options) -> None:
         rss_empty = srv.rss()
         console.print(f"  empty queue, before the fill: {before.summary()}")
         t0 = time.monotonic()
-        fill = checked_load(
-            srv,
-            LoadSpec(
-                host=HOST,
-                port=srv.port,
-                workload="set",
-                connections=8,
-                depth=64,
-                duration=None,
-                ops=o.depth,
-                queue=queue,
-                size=o.size,
-                unique=True,
-                max_seconds=4 * 3600,
-            ),
-        )
-        console.print(f"  filled {o.depth:,} in {time.monotonic() - t0:.0f} s: {fill.summary()}")
+        filled = fill(srv, queue, o.depth, o.size, unique=True, max_seconds=4 * 3600)
+        console.print(f"  filled {o.depth:,} in {time.monotonic() - t0:.0f} s: {filled.summary()}")
         items = memcache_stats(srv.port).get(f"queue_{queue}_items", "?")
         deeps: list[LoadResult] = []
         shallows: list[LoadResult] = []
@@ -310,7 +296,7 @@ def depth_test(o: Options) -> None:
     console.print(
         f"deep/empty throughput: {fmt_ratio(deep.ops_per_s, before.ops_per_s)} against the "
         f"queue before the fill, {fmt_ratio(deep.ops_per_s, shallow.ops_per_s)} against the "
-        f"empty queue beside it; fill rate {fmt_rate(fill.ops_per_s)} msgs/s "
+        f"empty queue beside it; fill rate {fmt_rate(filled.ops_per_s)} msgs/s "
         "(8 connections x 64 deep)"
     )
 

@@ -31,6 +31,7 @@ from harness import (
     Server,
     checked_load,
     console,
+    fill,
     find_mqd,
     fmt_ms,
     fmt_rate,
@@ -224,21 +225,7 @@ def memory(s: Settings) -> None:
     with mqd("memory", exe=s.mqd_exe, loop=s.loop) as srv:
         memcache_stats(srv.port)  # one round trip first: lazy start-up work is done
         before = srv.rss()
-        res = checked_load(
-            srv,
-            LoadSpec(
-                host=HOST,
-                port=srv.port,
-                workload="set",
-                connections=4,
-                depth=64,
-                duration=None,
-                ops=s.fill,
-                queue="mem",
-                size=s.size,
-                max_seconds=600,
-            ),
-        )
+        res = fill(srv, "mem", s.fill, s.size, max_seconds=600)
         time.sleep(0.5)
         after = srv.rss()
         items = memcache_stats(srv.port).get("queue_mem_items", "?")
