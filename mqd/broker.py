@@ -495,6 +495,8 @@ class Broker:
         if args == (b"queues",):
             lines, _, _ = await self._queue_stats()
             return b"".join(lines) + END
+        if args == (b"settings",):
+            return b"".join(protocol.stat(k, v) for k, v in self._settings_stats()) + END
         if args:
             raise UnknownCommand()  # memcached's answer to an unknown stats group
         lines, items, size = await self._queue_stats()
@@ -512,6 +514,22 @@ class Broker:
         ]
         head = [protocol.stat(name, value) for name, value in general]
         return b"".join(head + lines) + END
+
+    def _settings_stats(self) -> list[tuple[str, object]]:
+        """memcached's `stats settings` names, for what mqd has, then mqd's own."""
+        config = self.config
+        return [
+            ("maxconns", config.max_connections),
+            ("tcpport", config.port),
+            ("inter", config.listen),
+            ("item_size_max", config.max_item_size),
+            ("idle_timeout", int(config.idle_timeout)),
+            ("flush_enabled", "yes" if config.allow_flush_all else "no"),
+            ("shutdown_command", "yes" if config.allow_shutdown else "no"),
+            ("num_threads", 1),
+            ("backend", self.backend.name),
+            ("max_wait", config.max_wait),
+        ]
 
     async def _queue_stats(self) -> tuple[list[bytes], int, int]:
         lines: list[bytes] = []

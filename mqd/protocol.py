@@ -446,7 +446,8 @@ class Parser:
         return Quit() if len(tokens) == 1 else _bad()
 
     def _shutdown(self, tokens: list[bytes]) -> Command:
-        return Shutdown() if len(tokens) == 1 else _bad()
+        # memcached's `shutdown graceful`: every mqd shutdown is graceful.
+        return Shutdown() if tokens[1:] in ([], [b"graceful"]) else _bad()
 
 
 _HANDLERS: dict[bytes, Callable[[Parser, list[bytes]], Command | None]] = {

@@ -288,6 +288,15 @@ def test_stats(raw: Raw, q: str) -> None:
 
 def test_shutdown_disabled(raw: Raw) -> None:
     raw.call(b"shutdown\r\n", b"ERROR\r\n")
+    raw.call(b"shutdown graceful\r\n", b"ERROR\r\n")
+    raw.call(b"shutdown now\r\n", BAD)
+
+
+def test_stats_settings(raw: Raw, daemon: Daemon) -> None:
+    settings = stats_of(raw, b"settings")
+    assert settings["tcpport"] == str(daemon.port)
+    assert (settings["inter"], settings["item_size_max"]) == ("127.0.0.1", "1048576")
+    assert (settings["flush_enabled"], settings["shutdown_command"]) == ("yes", "no")
 
 
 def test_concurrent_producers_and_consumers(daemon: Daemon, q: str) -> None:
