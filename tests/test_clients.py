@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import memcache
+import pytest
 from pymemcache import serde
 from pymemcache.client.base import Client
 
@@ -60,3 +65,20 @@ def test_python_memcached(daemon: Daemon, q: str) -> None:
     assert client.get(q + "/open") == "x"
     assert client.get(q + "/close") is None
     client.disconnect_all()
+
+
+@pytest.mark.skipif(
+    shutil.which("memccp") is None,
+    reason="needs libmemcached's tools: apt-get install libmemcached-tools (bin/setup --test does)",
+)
+def test_libmemcached_tools(daemon: Daemon, q: str, tmp_path: Path) -> None:
+    servers = f"--servers=127.0.0.1:{daemon.port}"
+    message = tmp_path / q
+    message.write_bytes(b"from libmemcached\n")
+    for _ in range(2):
+        subprocess.run(["memccp", servers, str(message)], check=True, timeout=30)
+    for _ in range(2):
+        got = subprocess.run(["memccat", servers, q], capture_output=True, timeout=30)
+        # memccat prints the value and then a newline of its own.
+        assert (got.returncode, got.stdout) == (0, b"from libmemcached\n\n")
+    assert subprocess.run(["memccat", servers, q], capture_output=True, timeout=30).returncode != 0
