@@ -1,11 +1,15 @@
 """The storage boundary: what a backend is, and how backends are found.
 
-A backend stores messages and hands them back; it knows nothing of connections,
-waiting, expiry or the wire. The broker (mqd.broker) builds queue semantics on
-top of the few calls below. Every method is a coroutine: a backend whose work
-blocks (disk syncs, network round trips) must do it off the event loop, in a
-worker thread or through an async client, and should group work that arrives
-together so that many writers share one flush.
+A backend stores messages and the queue state that every daemon using the same
+store must agree on: leases of open messages, limits, dead-letter moves,
+reclaiming expired leases, wake-ups. It knows nothing of connections, waiting
+gets, message expiry or the wire: the broker (mqd.broker) keeps those.
+
+Every method is a coroutine: a backend whose work blocks (disk syncs, network
+round trips) must do it off the event loop, in a worker thread or through an
+async client, and should group work that arrives together so that many
+writers share one flush. Calls made in order on one event-loop turn must take
+effect in that order (a connection's pipelined commands rely on it).
 
 Queue names are `str` decoded from the wire bytes as UTF-8 with
 `surrogateescape` (name_text), so name_bytes(name) gives back the exact bytes
@@ -19,10 +23,12 @@ from __future__ import annotations
 import abc
 import difflib
 import enum
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from mqd.errors import BackendLoadError
 
@@ -42,7 +48,7 @@ def name_text(raw: bytes) -> str:
 class Capability(enum.StrEnum):
     """Optional abilities a backend declares in `Backend.capabilities`."""
 
-    UNIQUE = "unique"  # put(unique=True) refuses a body already in the queue
+    UNIQUE = "unique"  # put(unique=True), contains() and discard() know bodies
     OFFSET = "offset"  # read_at() finds a message by its offset
     FIFO = "fifo"  # messages come out in the order they went in
     SHARED = "shared"  # several daemons may use the same storage at once
@@ -56,6 +62,30 @@ class Sync(enum.StrEnum):
     NONE = "none"  # left to the operating system
 
 
+class Put(enum.Enum):
+    """What put() did."""
+
+    STORED = "stored"  # stored; `message.offset` is set
+    DUPLICATE = "duplicate"  # unique put of a body already in the queue: nothing stored
+    FULL = "full"  # the limits allow no more and nothing may be dropped: nothing stored
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """Names one reservation and no other.
+
+    A queue deleted and recreated has a new `incarnation`, and every reserve()
+    a new `token`, so a receipt from a lease that was lost (expired and
+    returned, or its queue deleted) never matches a later reservation, even of
+    a message at the same offset.
+    """
+
+    queue: str
+    incarnation: int
+    offset: int
+    token: int
+
+
 @dataclass(slots=True)
 class Message:
     """One message. `offset` is assigned by the backend when it is stored."""
@@ -64,8 +94,32 @@ class Message:
     flags: int = 0
     expires: float = 0  # Unix time after which it is never delivered; 0 = never
     created: float = 0  # Unix time it was enqueued (for the head's age in stats)
-    offset: int = -1  # unique within the queue's life, never reused
+    offset: int = -1  # unique within the queue's incarnation, never reused in it
     deliveries: int = 0  # hand-outs so far, counted by take() and reserve()
+    receipt: Receipt | None = None  # set by reserve(): the lease this hand-out holds
+    origin: str = ""  # set on a dead letter: the queue it was moved from
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """A queue's bounds, applied by put() atomically with the write."""
+
+    max_items: int = 0  # 0: no bound; open messages count
+    max_bytes: int = 0  # 0: no bound; bodies only, open messages count
+    drop_oldest: bool = False  # full: drop the oldest waiting message(s) instead of refusing
+
+    def __bool__(self) -> bool:
+        return bool(self.max_items or self.max_bytes)
+
+    def overflow(self, items: int, size: int, adding: int) -> bool:
+        """Whether a queue of `items` messages and `size` bytes is full for `adding` more."""
+        return bool(
+            (self.max_items and items >= self.max_items)
+            or (self.max_bytes and size + adding > self.max_bytes)
+        )
+
+
+NO_LIMITS = Limits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +132,37 @@ class QueueSize:
     head_created: float = 0  # `created` of the oldest message, 0 when empty
 
 
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """What a local backend stores with an open message: the record behind a Receipt."""
+
+    owner: str  # the daemon that holds it
+    deadline: float  # Unix time after which reclaim() ends it; 0 = none
+    token: int  # this reservation's number, unique across daemons
+
+    def expired(self, now: float) -> bool:
+        return 0 < self.deadline <= now
+
+    @classmethod
+    def start(cls, owner: str, lease: float, now: float) -> Lease:
+        """A new lease of `lease` seconds (0: no deadline) with a fresh token."""
+        return cls(owner, now + lease if lease else 0.0, secrets.randbits(63))
+
+
+class Reclaimed(NamedTuple):
+    """A lease that reclaim() ended: the message went back to `queue`, or on to `moved_to`."""
+
+    queue: str
+    message: Message
+    moved_to: str | None  # the dead-letter queue, or None when it was returned
+
+
+#: Where an open message that comes back goes: the dead-letter queue's name, or
+#: None to return it to its queue. Called by reclaim() for each expired lease,
+#: with the message's stored delivery count.
+Route = Callable[[str, Message], "str | None"]
+
+
 @dataclass(frozen=True)
 class StorageOptions:
     """What the config gives a backend: where to keep files, how often to flush."""
@@ -86,14 +171,26 @@ class StorageOptions:
     sync_interval_ms: int = 1000
     extra: dict[str, Any] = field(default_factory=dict)  # the [storage.<name>] table
     config_path: Path | None = None  # the file `extra` came from, for error messages
+    owner: str = "local"  # this daemon's id, the owner of the leases it takes
+    poll_interval_ms: int = 50  # shared backends: how often a watched queue is polled
+
+
+Wake = Callable[[str], None]
 
 
 class Backend(abc.ABC):
-    """Durable storage of queues of messages.
+    """Durable storage of queues of messages, and the queue state daemons share.
 
-    A message is either *waiting* (deliverable) or *reserved* (handed out by
-    reserve(), awaiting remove() or release()). Reservations are stored, so a
-    restart or crash makes them deliverable again (see recover()).
+    A message is either *waiting* (deliverable) or *open*: handed out by
+    reserve() under a **lease** that is stored with it (owner daemon, deadline,
+    token), until ack() removes it, release() gives it back, or reclaim()
+    returns it once the deadline has passed. Everything that decides whether a
+    message is delivered, kept or moved lives here, not in a daemon's memory,
+    so a backend that declares Capability.SHARED can serve many daemons.
+
+    Calls on a lease take its Receipt and have no effect, returning False,
+    when the lease is gone (acknowledged, returned, reclaimed, or the queue
+    deleted, even if it was recreated since).
     """
 
     #: The name the backend is registered under in the `mqd.backends` group.
@@ -103,6 +200,8 @@ class Backend(abc.ABC):
 
     def __init__(self, options: StorageOptions) -> None:
         self.options = options
+        self.owner = options.owner
+        self._wake: Wake = _ignore
 
     async def open(self) -> None:
         """Open or create storage. Called once before any other call."""
@@ -112,21 +211,28 @@ class Backend(abc.ABC):
         """Flush and release everything. No call follows."""
         return None  # optional hook: nothing to release by default
 
-    async def recover(self) -> list[tuple[str, Message]]:
-        """Messages that were reserved when the storage was last closed or crashed.
-
-        Called once after open(). The broker decides, for each one, whether it is
-        released or moved to a dead-letter queue; until then it stays reserved.
-        """
-        return []
+    # -- messages ------------------------------------------------------------
 
     @abc.abstractmethod
-    async def put(self, queue: str, message: Message, *, unique: bool, sync: Sync) -> int | None:
-        """Append `message` to `queue` (creating the queue) and return its new offset.
+    async def put(
+        self,
+        queue: str,
+        message: Message,
+        *,
+        sync: Sync,
+        unique: bool = False,
+        limits: Limits = NO_LIMITS,
+    ) -> Put:
+        """Append `message` to `queue`, creating the queue; set `message.offset`.
 
-        Sets `message.offset`. With `unique=True`, a body already in the queue
-        (waiting or reserved) stores nothing and the call returns None; a backend
-        without Capability.UNIQUE is never called with `unique=True`.
+        With `unique=True` a body already in the queue (waiting or open)
+        stores nothing: Put.DUPLICATE. A backend without Capability.UNIQUE is
+        never called with it. `limits` are checked and applied in the same
+        atomic step as the write, so daemons sharing the store never hold more
+        together: when the queue is full, the oldest waiting messages are
+        dropped if `limits.drop_oldest` (and Put.FULL is returned only when
+        open messages alone fill it), otherwise nothing is stored and the
+        result is Put.FULL. A body larger than `limits.max_bytes` is FULL.
         """
         raise NotImplementedError("Backend.put")
 
@@ -140,25 +246,53 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def reserve(self, queue: str, *, lease: float, sync: Sync) -> Message | None:
-        """Reserve and return the head waiting message, its stored `deliveries` raised by one.
+        """Open the head waiting message under a lease held by `self.owner`.
 
-        `lease` is the visibility timeout in seconds (0: none); a shared backend
-        stores it so other daemons can return the message if this one dies.
+        Returns it with its stored `deliveries` raised by one and `receipt`
+        set. `lease` is the visibility timeout in seconds: after it, reclaim()
+        returns the message; 0 means no deadline (only the owner, or its next
+        start, gives it back).
         """
         raise NotImplementedError("Backend.reserve")
 
     @abc.abstractmethod
-    async def remove(self, queue: str, offset: int, *, sync: Sync) -> bool:
-        """Remove the message at `offset`, waiting or reserved. False if it is not there."""
-        raise NotImplementedError("Backend.remove")
+    async def ack(self, receipt: Receipt, *, sync: Sync) -> bool:
+        """Remove the open message the lease holds. False if the lease is gone."""
+        raise NotImplementedError("Backend.ack")
 
     @abc.abstractmethod
-    async def release(self, queue: str, offset: int, *, sync: Sync) -> bool:
-        """Make a reserved message waiting again, ahead of every newer message.
+    async def release(self, receipt: Receipt, *, sync: Sync, to: str | None = None) -> bool:
+        """End the lease: the message waits again, ahead of every newer message.
 
-        False if no reserved message has that offset.
+        With `to`, the message moves to that (dead-letter) queue instead, as
+        one atomic step, with `origin` set to its queue and its delivery count
+        kept. False, and nothing moves, if the lease is gone.
         """
         raise NotImplementedError("Backend.release")
+
+    @abc.abstractmethod
+    async def extend(self, receipt: Receipt, *, lease: float, sync: Sync) -> bool:
+        """Move the lease's deadline to `lease` seconds from now. False if it is gone."""
+        raise NotImplementedError("Backend.extend")
+
+    @abc.abstractmethod
+    async def reclaim(
+        self, route: Route, *, sync: Sync, owner: str | None = None
+    ) -> list[Reclaimed]:
+        """End every lease whose deadline has passed, and with `owner` every lease it holds.
+
+        Each message goes back to its queue ahead of newer ones, or to the
+        dead-letter queue `route` names, exactly once even when several daemons
+        reclaim at the same moment. A daemon calls it with its own id when it
+        starts (its leases from before are returned at once, other daemons'
+        live leases are left alone); shared backends are reclaimed periodically.
+        """
+        raise NotImplementedError("Backend.reclaim")
+
+    @abc.abstractmethod
+    async def remove(self, queue: str, offset: int, *, sync: Sync) -> bool:
+        """Remove the waiting message at `offset` (an expired one). False if not waiting there."""
+        raise NotImplementedError("Backend.remove")
 
     @abc.abstractmethod
     async def peek(self, queue: str) -> Message | None:
@@ -166,14 +300,25 @@ class Backend(abc.ABC):
         raise NotImplementedError("Backend.peek")
 
     async def read_at(self, queue: str, offset: int) -> Message | None:
-        """The message at `offset`, waiting or reserved, left in place (Capability.OFFSET)."""
+        """The message at `offset`, waiting or open, left in place (Capability.OFFSET)."""
         raise NotImplementedError("Backend.read_at")
+
+    async def contains(self, queue: str, body: bytes) -> bool:
+        """Whether a message with this body is in the queue, waiting or open (UNIQUE)."""
+        raise NotImplementedError("Backend.contains")
+
+    async def discard(self, queue: str, body: bytes, *, sync: Sync) -> int:
+        """Remove the waiting messages with this body; how many (Capability.UNIQUE)."""
+        raise NotImplementedError("Backend.discard")
+
+    # -- queues --------------------------------------------------------------
 
     @abc.abstractmethod
     async def delete(self, queue: str, *, sync: Sync) -> bool:
-        """Remove the queue, every message in it and its storage. False if unknown.
+        """Remove the queue, every message and lease in it, and its storage. False if unknown.
 
-        Offsets start again from 0 when the queue is next created.
+        Offsets start again from 0 when the queue is next created, in a new
+        incarnation: receipts from before match nothing.
         """
         raise NotImplementedError("Backend.delete")
 
@@ -189,8 +334,38 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def size(self, queue: str) -> QueueSize | None:
-        """The queue's gauges, or None when it does not exist."""
+        """The queue's gauges, global across daemons; None when it does not exist."""
         raise NotImplementedError("Backend.size")
+
+    async def sizes(self) -> dict[str, QueueSize]:
+        """Every queue's gauges; a remote backend answers in one round trip if it can."""
+        found: dict[str, QueueSize] = {}
+        for queue in await self.queues():
+            size = await self.size(queue)
+            if size is not None:
+                found[queue] = size
+        return found
+
+    # -- wake-ups ------------------------------------------------------------
+
+    def listen(self, wake: Wake) -> None:
+        """Register the callback the broker is woken by.
+
+        The backend calls `wake(queue)` on the event loop when a message may
+        have arrived in `queue` through someone else: another daemon, or
+        another handle on the same store. (The broker wakes its own waiters
+        for what it stores itself.) A local backend calls it at once; a shared
+        one within its poll interval for every watched queue.
+        """
+        self._wake = wake
+
+    def watch(self, queue: str, on: bool) -> None:
+        """Gets are now waiting on `queue` (`on`), or no longer: what a poller polls."""
+        return None  # optional hook: a backend that pushes wake-ups needs no list
+
+
+def _ignore(queue: str) -> None:
+    return None
 
 
 def available() -> dict[str, metadata.EntryPoint]:
