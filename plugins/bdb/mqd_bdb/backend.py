@@ -8,6 +8,7 @@ worker after every batch, so they cost no trip to the thread.
 from __future__ import annotations
 
 import asyncio
+import importlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mqd.backend import Backend, Capability, Message, QueueSize, StorageOptions, Sync
@@ -29,8 +30,8 @@ INSTALL_HINT = (
 class _BdbBackend(Backend):
     """A Berkeley DB environment in `options.data_dir`, worked by one thread."""
 
-    #: Which store class in mqd_bdb.store lays out the messages.
-    layout: ClassVar[str] = ""
+    #: The module in mqd_bdb and the Store class in it that lay out the messages.
+    layout: ClassVar[tuple[str, str]] = ("", "")
 
     def __init__(self, options: StorageOptions) -> None:
         super().__init__(options)
@@ -45,12 +46,15 @@ class _BdbBackend(Backend):
     # -- life cycle ----------------------------------------------------------
 
     async def open(self) -> None:
+        module, class_name = self.layout
         try:
-            from mqd_bdb import store
             from mqd_bdb.worker import Worker
+
+            store_class: type[Store] = getattr(
+                importlib.import_module(f"mqd_bdb.{module}"), class_name
+            )
         except ImportError as exc:
             raise StorageError(f"{INSTALL_HINT} ({exc})") from exc
-        store_class: type[Store] = getattr(store, self.layout)
         loop = asyncio.get_running_loop()
         worker = Worker(
             store_class(self.options.data_dir, self.config),
@@ -159,7 +163,7 @@ class BdbBackend(_BdbBackend):
 
     name = "bdb"
     capabilities = frozenset({Capability.UNIQUE, Capability.OFFSET, Capability.FIFO})
-    layout = "PerQueueStore"
+    layout = ("per_queue", "PerQueueStore")
 
     async def read_at(self, queue: str, offset: int) -> Message | None:
         result: Message | None = await self._call(jobs.READ_AT, queue, offset, None)
@@ -171,7 +175,7 @@ class BdbSingleBackend(_BdbBackend):
 
     name = "bdb-single"
     capabilities = frozenset({Capability.UNIQUE, Capability.OFFSET, Capability.FIFO})
-    layout = "SingleStore"
+    layout = ("single", "SingleStore")
 
     async def read_at(self, queue: str, offset: int) -> Message | None:
         result: Message | None = await self._call(jobs.READ_AT, queue, offset, None)
@@ -186,4 +190,4 @@ class BdbRandomBackend(_BdbBackend):
 
     name = "bdb-random"
     capabilities = frozenset({Capability.UNIQUE})
-    layout = "RandomStore"
+    layout = ("random_set", "RandomStore")

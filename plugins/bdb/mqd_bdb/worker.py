@@ -30,7 +30,8 @@ from typing import Any
 
 from mqd.backend import Message, QueueSize, Sync
 from mqd_bdb import jobs
-from mqd_bdb.store import Store, storage_error
+from mqd_bdb.errors import storage_error
+from mqd_bdb.store import Store
 
 log = logging.getLogger("mqd.bdb")
 
@@ -124,7 +125,8 @@ class Worker:
         opened = self._opened
         assert opened is not None
         try:
-            sizes = self.store.open()
+            self.store.open()
+            sizes = self.store.sizes()
         except BaseException as exc:
             self._post(_settle, opened, storage_error(exc), None)
             return

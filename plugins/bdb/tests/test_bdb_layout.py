@@ -10,8 +10,8 @@ import pytest
 from bdb_helpers import ALWAYS, NAMES, drain, make, put, session
 from berkeleydb import db
 from mqd_bdb.backend import _BdbBackend
+from mqd_bdb.environment import ENV_FLAGS
 from mqd_bdb.names import encode_name, file_stem
-from mqd_bdb.store import ENV_FLAGS
 
 from mqd.backend import Message
 

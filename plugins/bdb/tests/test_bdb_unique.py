@@ -8,8 +8,10 @@ import pytest
 from bdb_helpers import ALWAYS, FIFO_NAMES, NAMES, drain, put, session
 from berkeleydb import db
 from mqd_bdb.backend import _BdbBackend
+from mqd_bdb.environment import ENV_FLAGS
+from mqd_bdb.index import INLINE_INDEX
 from mqd_bdb.names import encode_name, file_stem
-from mqd_bdb.store import CAT_QUEUE, ENV_FLAGS, INLINE_INDEX, META, QID, U32, UNIQ, _digest
+from mqd_bdb.records import CAT_QUEUE, META, QID, U32, UNIQ, digest
 
 from mqd.backend import Message
 
@@ -68,7 +70,7 @@ def test_leftovers_of_an_interrupted_count_are_cleared(name: str, tmp_path: Path
             qid = META.unpack(counts.get(CAT_QUEUE + b"q"))[0]
             prefix = UNIQ + QID.pack(qid)
         for body in (b"ghost", b"a"):
-            counts.put(prefix + _digest(body), U32.pack(7), None, db.DB_AUTO_COMMIT)
+            counts.put(prefix + digest(body), U32.pack(7), None, db.DB_AUTO_COMMIT)
         counts.close()
     finally:
         env.close()

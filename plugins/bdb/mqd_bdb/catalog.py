@@ -1,0 +1,321 @@
+"""The catalog: which queues exist, their counters, and the queues being purged.
+
+The worker keeps a QueueState per queue, a mirror of its catalog record.
+A batch *touches* a queue before changing it (a snapshot to restore should
+the transaction abort) and at its end writes the record of every touched
+queue once, in the batch's transaction, so after a crash counts and next
+offsets match the messages exactly and offsets are never reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ClassVar
+
+from berkeleydb import db
+
+from mqd.backend import QueueSize
+from mqd_bdb.environment import Environment
+from mqd_bdb.names import decode_name, encode_name
+from mqd_bdb.records import (
+    CAT_NEXT_QID,
+    CAT_PURGE,
+    CAT_QUEUE,
+    CAT_RESERVED,
+    CREATED,
+    HDR_CREATED,
+    INDEXED,
+    META,
+    MSG,
+    QID,
+    UNIQ,
+    delete_range,
+)
+
+CHUNK = 500  # records per transaction when purging a queue or counting its bodies
+
+
+class QueueState:
+    """What the worker knows of one queue; its counts mirror the catalog record."""
+
+    __slots__ = (
+        "bytes",
+        "head_created",
+        "head_dirty",
+        "head_key",
+        "hint",
+        "hint_key",
+        "indexed",
+        "items",
+        "mdb",
+        "mpre",
+        "name",
+        "next_offset",
+        "open",
+        "qid",
+        "qkey",
+        "raw",
+        "stem",
+        "udb",
+        "upre",
+    )
+
+    def __init__(self, name: str, raw: bytes, qid: int) -> None:
+        self.name = name
+        self.raw = raw
+        self.qid = qid
+        self.qkey = QID.pack(qid)
+        self.next_offset = 0
+        self.items = 0
+        self.bytes = 0
+        self.open = 0
+        # The head is the queue's least key, waiting or reserved. Its key is
+        # known once a batch has seen it (None: unknown or empty); head_dirty
+        # asks the end of the batch to look it up.
+        self.head_created = 0.0
+        self.head_key: bytes | None = None
+        self.head_dirty = False
+        # No waiting message sorts before the hint: take() starts looking there
+        # instead of stepping over every reserved message at the head again.
+        self.hint = 0  # an offset, in the FIFO layouts
+        self.hint_key = b""  # a key, in bdb-random
+        # Whether copies of each body are counted (FIFO layouts). Only queues
+        # that have seen a unique put pay for the counting.
+        self.indexed = False
+        self.mdb: Any = None  # database holding the messages
+        self.mpre = b""  # their key prefix in it
+        self.udb: Any = None  # database counting copies of each body (FIFO)
+        self.upre = b""
+        self.stem = ""  # bdb: file name stem
+
+    def size(self) -> QueueSize:
+        return QueueSize(self.items, self.bytes, self.open, self.head_created)
+
+    def meta(self) -> bytes:
+        flags = INDEXED if self.indexed else 0
+        return META.pack(
+            self.qid, self.next_offset, self.items, self.bytes, self.open, self.head_created, flags
+        )
+
+    def state(self) -> tuple[Any, ...]:
+        return (
+            self.next_offset,
+            self.items,
+            self.bytes,
+            self.open,
+            self.head_created,
+            self.head_key,
+            self.head_dirty,
+            self.hint,
+            self.hint_key,
+            self.indexed,
+        )
+
+    def set_state(self, state: tuple[Any, ...]) -> None:
+        (
+            self.next_offset,
+            self.items,
+            self.bytes,
+            self.open,
+            self.head_created,
+            self.head_key,
+            self.head_dirty,
+            self.hint,
+            self.hint_key,
+            self.indexed,
+        ) = state
+
+    def set_head(self, rec: tuple[bytes, bytes] | None, created_at: int) -> None:
+        """The head is `rec` (None: the queue is empty)."""
+        if rec is None or not rec[0].startswith(self.mpre):
+            self.head_key, self.head_created = None, 0.0
+        else:
+            self.head_key = rec[0]
+            self.head_created = CREATED.unpack_from(rec[1], created_at)[0]
+        self.head_dirty = False
+
+    def head_removed(self, key: bytes) -> None:
+        """The record at `key` is gone: if it was the head, look the head up at the end."""
+        if self.head_key is None or key == self.head_key:
+            self.head_dirty = True
+
+    def head_added(self, key: bytes, created: float) -> None:
+        """A record was added at `key`: it is the head if it sorts first."""
+        if self.items == 1:
+            self.head_key, self.head_created, self.head_dirty = key, created, False
+        elif self.head_key is None:
+            self.head_dirty = True
+        elif key < self.head_key:
+            self.head_key, self.head_created = key, created
+
+
+#: A queue before a batch first changed it, and whether it existed then.
+Snapshot = tuple[QueueState, bool, tuple[Any, ...]]
+
+
+class Catalog(Environment):
+    """The queues of an environment, loaded at open and saved with every batch."""
+
+    #: Where `created` sits in a message record.
+    created_at: ClassVar[int] = HDR_CREATED
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.queues: dict[str, QueueState] = {}
+        self.next_qid = 0
+        self.purges: list[bytes] = []  # qid keys of deleted queues with records left
+        self._touched: dict[str, Snapshot] = {}
+        self._new_purges: list[bytes] = []
+
+    def sizes(self) -> dict[str, QueueSize]:
+        return {name: q.size() for name, q in self.queues.items()}
+
+    def reopen(self) -> dict[str, QueueSize | None]:
+        """After a panic: close, recover, load again. The gauges to publish."""
+        before = set(self.queues)
+        self.queues = {}
+        self.recover()
+        published: dict[str, QueueSize | None] = dict.fromkeys(before)
+        published.update(self.sizes())
+        return published
+
+    def _forget_handles(self) -> None:
+        for q in self.queues.values():
+            q.mdb = q.udb = None
+
+    def _load(self) -> None:
+        queues: dict[str, QueueState] = {}
+        cur = self.cat.cursor()
+        try:
+            rec = cur.set_range(CAT_QUEUE)
+            while rec is not None and rec[0][:1] == CAT_QUEUE:
+                raw = rec[0][1:]
+                qid, next_offset, items, nbytes, nopen, head, flags = META.unpack(rec[1])
+                q = self._make_queue(decode_name(raw), raw, qid)
+                q.next_offset, q.items, q.bytes, q.open = next_offset, items, nbytes, nopen
+                q.head_created = head
+                q.indexed = bool(flags & INDEXED)
+                queues[q.name] = q
+                rec = cur.next()
+            rec = cur.set_range(CAT_PURGE)
+            purges = []
+            while rec is not None and rec[0][:1] == CAT_PURGE:
+                purges.append(rec[0][1:])
+                rec = cur.next()
+        finally:
+            cur.close()
+        raw_qid = self.cat.get(CAT_NEXT_QID)
+        self.next_qid = QID.unpack(raw_qid)[0] if raw_qid else 0
+        self.queues = queues
+        self.purges = purges
+
+    def _make_queue(self, name: str, raw: bytes, qid: int) -> QueueState:
+        """A queue object for a catalog entry; layouts set where its messages live."""
+        return QueueState(name, raw, qid)
+
+    def _attach(self, q: QueueState) -> None:
+        """Open the queue's databases (called when `q.mdb` is None)."""
+
+    def _used(self, q: QueueState) -> None:
+        """A batch changed `q` (for keeping recently used files open)."""
+
+    # -- changes within a batch --------------------------------------------------
+
+    def _begin(self) -> dict[str, Snapshot]:
+        """A batch starts: nothing touched yet. What _end() and _undo() take."""
+        touched: dict[str, Snapshot] = {}
+        self._touched = touched
+        self._new_purges = []
+        return touched
+
+    def _touch(self, q: QueueState) -> None:
+        """Remember `q` as it was before this batch changed it."""
+        if q.name not in self._touched:
+            self._touched[q.name] = (q, True, q.state())
+
+    def _create(self, name: str) -> QueueState:
+        """A new, empty queue, registered by this batch's transaction."""
+        raw = encode_name(name)
+        q = self._make_queue(name, raw, self.next_qid)
+        self.next_qid += 1
+        if q.mdb is None:
+            self._attach(q)
+        # A queue deleted earlier in this batch keeps its own snapshot.
+        self._touched.setdefault(name, (q, False, ()))
+        self.queues[name] = q
+        return q
+
+    def _write_meta(self, txn: Any, next_qid: int) -> None:
+        """Save every touched queue's record (and the next queue id if it moved)."""
+        cat = self.cat
+        for name in self._touched:
+            q = self.queues.get(name)
+            if q is None:
+                continue
+            if q.head_dirty:
+                q.set_head(self._head(txn, q) if q.items else None, self.created_at)
+            cat.put(CAT_QUEUE + q.raw, q.meta(), txn)
+            self._used(q)
+        if self.next_qid != next_qid:
+            cat.put(CAT_NEXT_QID, QID.pack(self.next_qid), txn)
+
+    def _committed(self, published: dict[str, QueueSize | None]) -> None:
+        """The batch's transaction committed: publish the gauges it changed."""
+        self.purges.extend(self._new_purges)
+        for name in self._touched:
+            q = self.queues.get(name)
+            published[name] = None if q is None else q.size()
+        self._touched = {}
+
+    def _undo(self, touched: dict[str, Snapshot], next_qid: int) -> None:
+        """The batch's transaction aborted: every queue as it was before it."""
+        for name, (q, existed, state) in touched.items():
+            if existed:
+                q.set_state(state)
+                self.queues[name] = q
+            else:
+                self.queues.pop(name, None)
+        self.next_qid = next_qid
+        self._touched = {}
+
+    def _drop_catalog_entry(self, txn: Any, q: QueueState) -> None:
+        with contextlib.suppress(db.DBNotFoundError):  # created in this very batch
+            self.cat.delete(CAT_QUEUE + q.raw, txn)
+
+    def _head(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:
+        """The queue's first record, looked up."""
+        cur = q.mdb.cursor(txn)
+        try:
+            rec = cur.set_range(q.mpre) if q.mpre else cur.first()
+        finally:
+            cur.close()
+        return rec  # type: ignore[no-any-return]
+
+    # -- purging deleted queues (single-file layouts) -----------------------------
+
+    def purge_step(self) -> None:
+        """Delete some records of the oldest deleted queue."""
+        qkey = self.purges[0]
+        txn = self.env.txn_begin()
+        try:
+            left = CHUNK
+            for prefix in self._purge_prefixes(qkey):
+                left -= delete_range(self.cat, txn, prefix, left)
+                if not left:
+                    break
+            else:
+                self.cat.delete(CAT_PURGE + qkey, txn)
+            txn.commit()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                txn.abort()
+            raise
+        if left:
+            self.purges.pop(0)
+
+    def _purge_prefixes(self, qkey: bytes) -> list[bytes]:
+        return [MSG + qkey, UNIQ + qkey, CAT_RESERVED + qkey]
+
+    def _schedule_purge(self, txn: Any, q: QueueState) -> None:
+        self.cat.put(CAT_PURGE + q.qkey, b"", txn)
+        self._new_purges.append(q.qkey)

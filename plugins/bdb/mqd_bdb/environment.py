@@ -1,0 +1,168 @@
+"""The life cycle of one Berkeley DB environment: lock, open, recover, close.
+
+flush(), trickle() and checkpoint() are the only calls made from the keeper
+thread; they use the environment alone (opened DB_THREAD), never a database
+handle, which stay on the worker thread.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, ClassVar
+
+from berkeleydb import db
+
+from mqd.errors import StorageError
+from mqd_bdb.config import BdbConfig
+from mqd_bdb.errors import storage_error
+
+ENV_FLAGS = (
+    db.DB_CREATE
+    | db.DB_INIT_TXN
+    | db.DB_INIT_LOG
+    | db.DB_INIT_LOCK
+    | db.DB_INIT_MPOOL
+    | db.DB_RECOVER  # replay the log: every file consistent whatever the last exit
+    | db.DB_PRIVATE  # one process; regions in its memory, no stale region files
+    | db.DB_THREAD  # the keeper thread syncs and checkpoints beside the worker
+)
+
+
+class Environment:
+    """One environment in `data_dir`, held by this process alone, and its catalog file."""
+
+    #: The catalog's file (shared with the messages in the single-file layouts).
+    catalog_file: ClassVar[str] = "queues.db"
+
+    def __init__(self, data_dir: Path, config: BdbConfig) -> None:
+        self.data_dir = data_dir
+        self.config = config
+        self.env: Any = None
+        self.cat: Any = None
+        self.panicked = False
+        self._lock_fd: int | None = None
+
+    def open(self) -> None:
+        """Open (creating, recovering) the environment and load what it holds."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock()
+        try:
+            self._open_env()
+        except BaseException:
+            self._close_env()
+            self._unlock()
+            raise
+
+    def close(self) -> None:
+        """Checkpoint and close everything; raises the first error met, after trying all."""
+        first: BaseException | None = None
+        try:
+            if self.env is not None and not self.panicked:
+                self.env.txn_checkpoint(0, 0, db.DB_FORCE)
+        except Exception as exc:
+            first = exc
+        error = self._close_env()
+        self._unlock()
+        if first is not None or error is not None:
+            raise storage_error(first or error)  # type: ignore[arg-type]
+
+    def recover(self) -> None:
+        """After a panic: close and open again, running recovery."""
+        self._close_env()
+        self._open_env()
+        self.panicked = False
+
+    def _lock(self) -> None:
+        fd = os.open(self.data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StorageError(
+                f"data directory {self.data_dir} is in use by another process"
+            ) from None
+        self._lock_fd = fd
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def _open_env(self) -> None:
+        c = self.config
+        env = db.DBEnv()
+        cache = c.cache_mb << 20
+        env.set_cachesize(cache >> 30, cache & ((1 << 30) - 1), 1)
+        env.set_lg_bsize(c.log_buffer_kb << 10)
+        env.set_lg_max(c.log_file_mb << 20)
+        env.set_lk_max_locks(c.max_locks)
+        env.set_lk_max_objects(c.max_locks)
+        # Commits write the log to the OS but do not sync it: the worker syncs
+        # once per batch (group commit) for the callers that asked for it.
+        env.set_flags(db.DB_TXN_WRITE_NOSYNC, 1)
+        env.log_set_config(db.DB_LOG_AUTO_REMOVE, 1)
+        # All work is on one thread, so a lock wait can only be for a lock this
+        # very thread holds in another transaction: fail it rather than hang.
+        env.set_timeout(2_000_000, db.DB_SET_LOCK_TIMEOUT)
+        self.env = env
+        env.open(str(self.data_dir), ENV_FLAGS, 0o600)
+        self.cat = self._open_db(self.catalog_file, db.DB_BTREE)
+        self._load()
+
+    def _close_env(self) -> BaseException | None:
+        first: BaseException | None = None
+        for handle in self._handles():
+            try:
+                handle.close(db.DB_NOSYNC)
+            except Exception as exc:
+                first = first or exc
+        self.cat = None
+        self._forget_handles()
+        if self.env is not None:
+            try:
+                self.env.close()
+            except Exception as exc:
+                first = first or exc
+            self.env = None
+        return first
+
+    def _load(self) -> None:
+        """Read what the catalog holds (after the environment opened)."""
+
+    def _handles(self) -> Iterable[Any]:
+        """Every open database handle, catalog last."""
+        return [] if self.cat is None else [self.cat]
+
+    def _forget_handles(self) -> None:
+        """The handles _handles() gave were closed: drop every reference to them."""
+
+    def _open_db(self, filename: str, dbtype: int) -> Any:
+        handle = db.DB(self.env)
+        try:
+            if self.config.page_size:
+                handle.set_pagesize(self.config.page_size)
+            handle.open(filename, None, dbtype, db.DB_CREATE | db.DB_AUTO_COMMIT, 0o600)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
+
+    # -- upkeep (also from the keeper thread) ----------------------------------
+
+    def flush(self) -> None:
+        """Force the log to stable storage: the one sync of a batch."""
+        self.env.log_flush()
+
+    def trickle(self, percent: int) -> None:
+        """Write dirty pages out until `percent` of the cache is clean."""
+        self.env.memp_trickle(percent)
+
+    def checkpoint(self, force: bool) -> None:
+        """Write dirty pages and a checkpoint if enough log has accumulated (or `force`)."""
+        if force:
+            self.env.txn_checkpoint(0, 0, db.DB_FORCE)
+        else:
+            self.env.txn_checkpoint(self.config.checkpoint_mb << 10, 0)

@@ -1,0 +1,107 @@
+"""`bdb`: per queue a B-tree file of messages and a Hash file of body counts.
+
+`delete` frees a queue's files at once; the least recently used queues' files
+are closed beyond `max_open_queues`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from berkeleydb import db
+
+from mqd_bdb import jobs
+from mqd_bdb.catalog import CHUNK, QueueState
+from mqd_bdb.config import BdbConfig
+from mqd_bdb.fifo import FifoStore
+from mqd_bdb.names import file_stem
+from mqd_bdb.records import CAT_RESERVED, delete_range
+
+
+class PerQueueStore(FifoStore):
+    """`bdb`: per queue a B-tree file of messages and a Hash file of body digests."""
+
+    barrier_ops = frozenset({jobs.DELETE})  # dbremove needs the handles closed
+    catalog_file = "catalog.db"
+
+    def __init__(self, data_dir: Path, config: BdbConfig) -> None:
+        super().__init__(data_dir, config)
+        self._lru: OrderedDict[str, QueueState] = OrderedDict()  # queues with open files
+
+    def _make_queue(self, name: str, raw: bytes, qid: int) -> QueueState:
+        q = QueueState(name, raw, qid)
+        q.stem = file_stem(raw)
+        return q
+
+    def _open_env(self) -> None:
+        super()._open_env()
+        self._remove_orphans()
+
+    def _handles(self) -> Iterable[Any]:
+        handles = [h for q in self._lru.values() for h in (q.mdb, q.udb) if h is not None]
+        self._lru.clear()
+        return [*handles, *super()._handles()]
+
+    def _used(self, q: QueueState) -> None:
+        if self._lru.get(q.name) is q:
+            self._lru.move_to_end(q.name)
+
+    def _attach(self, q: QueueState) -> None:
+        mdb = self._open_db(q.stem + ".btree", db.DB_BTREE)
+        try:
+            udb = self._open_db(q.stem + ".hash", db.DB_HASH)
+        except BaseException:
+            mdb.close(db.DB_NOSYNC)
+            raise
+        old = self._lru.pop(q.name, None)
+        if old is not None and old is not q:
+            _close_files(old)
+        q.mdb, q.udb = mdb, udb
+        self._lru[q.name] = q
+
+    def _detach(self, q: QueueState) -> None:
+        if self._lru.get(q.name) is q:
+            del self._lru[q.name]
+        _close_files(q)
+
+    def trim(self) -> None:
+        while len(self._lru) > self.config.max_open_queues:
+            _close_files(self._lru.popitem(last=False)[1])
+
+    def _clear_index(self, txn: Any, q: QueueState, limit: int) -> int:
+        q.udb.truncate(txn)  # the file holds this queue's counts only
+        return 0
+
+    def _remove_orphans(self) -> None:
+        """Files of a queue whose creating batch failed: empty, and in no catalog entry."""
+        known = {q.stem for q in self.queues.values()}
+        for path in self.data_dir.iterdir():
+            stem, dot, suffix = path.name.rpartition(".")
+            queue_file = dot and suffix in ("btree", "hash") and stem[:2] in ("q-", "h-")
+            if queue_file and stem not in known:
+                self.env.dbremove(path.name, None, None, db.DB_AUTO_COMMIT)
+
+    def delete(self, txn: Any, name: str, arg: None) -> bool:
+        q = self.queues.get(name)
+        if q is None:
+            return False
+        self._touch(q)
+        self._detach(q)
+        self.env.dbremove(q.stem + ".btree", None, txn)
+        self.env.dbremove(q.stem + ".hash", None, txn)
+        while delete_range(self.cat, txn, CAT_RESERVED + q.qkey, CHUNK):
+            pass
+        self._drop_catalog_entry(txn, q)
+        del self.queues[name]
+        return True
+
+
+def _close_files(q: QueueState) -> None:
+    mdb, udb = q.mdb, q.udb
+    q.mdb = q.udb = None
+    for handle in (mdb, udb):
+        if handle is not None:
+            handle.close(db.DB_NOSYNC)
