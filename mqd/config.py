@@ -61,6 +61,9 @@ class Config:
     backend: str = "bdb"
     data_dir: Path = Path("data")
     sync_interval_ms: int = 1000
+    daemon_id: str = ""  # owner of this daemon's leases; "": one kept in data_dir
+    reclaim_interval: float = 1.0  # seconds between reclaims on a shared store
+    poll_interval_ms: int = 50  # shared store: a waiting get polls at most this often
     # [storage.<name>] tables, by backend name: each belongs to its backend
     backend_tables: dict[str, dict[str, Any]] = field(default_factory=dict)
     # [queues."<glob>"], in file order; later matches override earlier ones
@@ -85,6 +88,7 @@ class Config:
             config_path=self.path,
             data_dir=self.data_dir,
             sync_interval_ms=self.sync_interval_ms,
+            poll_interval_ms=self.poll_interval_ms,
             extra=self.backend_tables.get(self.backend, {}),
         )
 
@@ -177,6 +181,9 @@ _STORAGE_KEYS: dict[str, str] = {
     "backend": "string",
     "data_dir": "path",
     "sync_interval_ms": "positive",
+    "daemon_id": "string",
+    "reclaim_interval": "positive_number",
+    "poll_interval_ms": "positive",
 }
 _QUEUE_KEYS: dict[str, str] = {
     "max_items": "count",
@@ -208,6 +215,8 @@ def _read(check: TableReader, kinds: dict[str, str]) -> dict[str, Any]:
             out[key] = check.integer(key, 0)
         elif kind == "number":
             out[key] = check.number(key)
+        elif kind == "positive_number":
+            out[key] = check.number(key, above=True)
         elif kind == "boolean":
             out[key] = check.boolean(key)
         elif kind == "log_level":
