@@ -7,6 +7,11 @@ settings, and the counters behind `stats`. Everything several daemons sharing
 a store must agree on (leases, limits, dead-letter moves, reclaiming expired
 leases) is the backend's: the broker only asks. It never touches sockets; the
 server hands it a `Session` per connection.
+
+It is longer than most modules here (about 600 lines) because the options of
+a `get` (wait, open, close, abort, peek, at, several keys) and the records of
+open messages they act on are one piece of logic; the figures of `stats` live
+in mqd.stats.
 """
 
 from __future__ import annotations
@@ -14,16 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from mqd import __version__, protocol
+from mqd import protocol, stats
 from mqd.backend import (
     Backend,
     Capability,
@@ -38,25 +40,14 @@ from mqd.backend import (
 from mqd.config import Config, QueueSettings
 from mqd.errors import ClientError, NotSupported, ServerError, UnknownCommand
 from mqd.protocol import Key, Retrieve, Store
+from mqd.stats import Counters
 
 log = logging.getLogger(__name__)
 
 QUEUE_STATES = 65536  # queues whose state is kept when idle (names are client-chosen)
 THIRTY_DAYS = 60 * 60 * 24 * 30  # memcached: larger exptimes are absolute Unix times
-DAEMON_ID_FILE = "daemon-id"
 
 Hits = list[tuple[Key, Message]]
-
-
-@dataclass
-class Counters:
-    """memcached's general counters, for this daemon; `stats reset` zeroes them."""
-
-    cmd_get: int = 0
-    cmd_set: int = 0
-    get_hits: int = 0
-    get_misses: int = 0
-    total_connections: int = 0
 
 
 class Session:
@@ -115,25 +106,6 @@ def expiry(exptime: int, now: float) -> float | None:
     return expires if expires > now else None
 
 
-def daemon_id(config: Config) -> str:
-    """This daemon's id: the configured one, or one kept in the data directory.
-
-    It owns the daemon's leases, so it must survive restarts: a restarting
-    daemon returns its own leases from before at once, and only those.
-    """
-    if config.daemon_id:
-        return config.daemon_id
-    path = Path(config.data_dir) / DAEMON_ID_FILE
-    with contextlib.suppress(FileNotFoundError):
-        known = path.read_text().strip()
-        if known:
-            return known
-    made = uuid.uuid4().hex
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(made + "\n")
-    return made
-
-
 class Broker:
     """Queue semantics over one backend."""
 
@@ -155,7 +127,7 @@ class Broker:
 
     async def start(self) -> None:
         """Open the backend and return the leases this daemon held when it last stopped."""
-        self.backend.owner = daemon_id(self.config)
+        self.backend.owner = self.config.owner()
         await self.backend.open()
         self.backend.listen(self._arrived)
         returned = await self.backend.reclaim(
@@ -601,64 +573,18 @@ class Broker:
     async def stats(self, group: str = "") -> list[tuple[str, object]]:
         """The figures of a `stats` group: "" (general and per queue), "queues", "settings"."""
         if group == "settings":
-            return self._settings_stats()
+            return stats.settings(self.config, self.backend.name)
         if group not in ("", "queues"):
             raise UnknownCommand()  # memcached's answer to an unknown stats group
-        per_queue, items, size = await self._queue_stats()
+        sizes = await self.backend.sizes()
+        per_queue = stats.queues(sizes, self._queue_counts)
         if group == "queues":
             return per_queue
-        now = time.time()
-        return [
-            ("pid", os.getpid()),
-            ("uptime", int(now - self.started)),
-            ("time", int(now)),
-            ("version", __version__),
-            ("curr_connections", self.curr_connections),
-            *((f.name, getattr(self.counters, f.name)) for f in fields(self.counters)),
-            ("curr_items", items),
-            ("bytes", size),
-            ("backend", self.backend.name),
-            *per_queue,
-        ]
+        return stats.general(self, sizes) + per_queue
 
-    def _settings_stats(self) -> list[tuple[str, object]]:
-        """memcached's `stats settings` names, for what mqd has, then mqd's own."""
-        config = self.config
-        return [
-            ("maxconns", config.max_connections),
-            ("tcpport", config.port),
-            ("inter", config.listen),
-            ("item_size_max", config.max_item_size),
-            ("idle_timeout", int(config.idle_timeout)),
-            ("flush_enabled", "yes" if config.allow_flush_all else "no"),
-            ("shutdown_command", "yes" if config.allow_shutdown else "no"),
-            ("num_threads", 1),
-            ("backend", self.backend.name),
-            ("max_wait", config.max_wait),
-        ]
-
-    async def _queue_stats(self) -> tuple[list[tuple[str, object]], int, int]:
-        """Gauges from the store (global), counters from this daemon, per queue."""
-        lines: list[tuple[str, object]] = []
-        items = size = 0
-        now = time.time()
-        for queue, gauges in sorted((await self.backend.sizes()).items()):
-            state = self._queues.get(queue)
-            age = int((now - gauges.head_created) * 1000) if gauges.head_created else 0
-            items += gauges.items
-            size += gauges.bytes
-            values = (
-                gauges.items,
-                gauges.bytes,
-                gauges.open,
-                state.enqueued if state else 0,
-                state.dequeued if state else 0,
-                state.expired if state else 0,
-                max(age, 0),
-            )
-            prefix = "queue_" + queue + "_"
-            lines.extend(zip([prefix + n for n in protocol.QUEUE_STATS], values, strict=True))
-        return lines, items, size
+    def _queue_counts(self, queue: str) -> tuple[int, int, int]:
+        state = self._queues.get(queue)
+        return (state.enqueued, state.dequeued, state.expired) if state else (0, 0, 0)
 
 
 def _expired(message: Message) -> bool:

@@ -7,10 +7,12 @@ allowed; `mqd serve` and `mqd check-config` print it and exit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import logging
 import tomllib
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from mqd.errors import ConfigError
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OVERFLOW = ("reject", "drop_oldest")
 LOOPS = ("asyncio", "uvloop", "auto")
+DAEMON_ID_FILE = "daemon-id"  # in data_dir, when [storage] daemon_id is not set
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,24 @@ class Config:
             poll_interval_ms=self.poll_interval_ms,
             extra=self.backend_tables.get(self.backend, {}),
         )
+
+    def owner(self) -> str:
+        """This daemon's id: the configured one, or one kept in the data directory.
+
+        It owns the daemon's leases, so it must survive restarts: a restarting
+        daemon returns its own leases from before at once, and only those.
+        """
+        if self.daemon_id:
+            return self.daemon_id
+        path = Path(self.data_dir) / DAEMON_ID_FILE
+        with contextlib.suppress(FileNotFoundError):
+            known = path.read_text().strip()
+            if known:
+                return known
+        made = uuid.uuid4().hex
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(made + "\n")
+        return made
 
     @property
     def log_level_number(self) -> int:
