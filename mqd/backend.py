@@ -12,8 +12,8 @@ writers share one flush. Calls made in order on one event-loop turn must take
 effect in that order (a connection's pipelined commands rely on it).
 
 Queue names are `str` decoded from the wire bytes as UTF-8 with
-`surrogateescape` (name_text), so name_bytes(name) gives back the exact bytes
-the client sent. Names are data: a backend must store any name the
+`surrogateescape` (mqd.protocol.name_text), so mqd.protocol.name_bytes(name)
+gives back the exact bytes the client sent. Names are data: a backend must store any name the
 protocol allows (`..`, `con`, names differing only in case, 250 bytes) safely
 and separately.
 """
@@ -33,16 +33,6 @@ from typing import Any, ClassVar, NamedTuple
 from mqd.errors import BackendLoadError
 
 ENTRY_POINT_GROUP = "mqd.backends"
-
-
-def name_bytes(name: str) -> bytes:
-    """The exact wire bytes of a queue name."""
-    return name.encode("utf-8", "surrogateescape")
-
-
-def name_text(raw: bytes) -> str:
-    """The queue name for wire bytes: the inverse of name_bytes."""
-    return raw.decode("utf-8", "surrogateescape")
 
 
 class Capability(enum.StrEnum):
@@ -150,7 +140,10 @@ class Lease:
 
 
 class Reclaimed(NamedTuple):
-    """A lease that reclaim() ended: the message went back to `queue`, or on to `moved_to`."""
+    """A lease that ended: the message went back to `queue`, or on to `moved_to`.
+
+    `message.receipt` still names the lease that ended, so its holder can tell.
+    """
 
     queue: str
     message: Message

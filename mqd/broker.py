@@ -1,10 +1,17 @@
-"""Queue semantics shared by every backend.
+"""What belongs to a connection and to this daemon, over one backend.
 
-The broker turns parsed commands into backend calls and reply bytes: waiting
-gets, open (reserved) messages per connection, visibility timeouts, delivery
-counts and dead-lettering, expiry, per-queue limits and overflow, and the
-counters behind `stats`. It never touches sockets; the server hands it a
-`Session` per connection.
+The broker turns parsed commands into backend calls and returns plain data
+(each wire renders its own replies): which open messages a connection holds
+and their visibility timers, waiting gets, message expiry on read, per-queue
+settings, and the counters behind `stats`. Everything several daemons sharing
+a store must agree on (leases, limits, dead-letter moves, reclaiming expired
+leases) is the backend's: the broker only asks. It never touches sockets; the
+server hands it a `Session` per connection.
+
+It is longer than most modules here (about 600 lines) because the options of
+a `get` (wait, open, close, abort, peek, at, several keys) and the records of
+open messages they act on are one piece of logic; the figures of `stats` live
+in mqd.stats.
 """
 
 from __future__ import annotations
@@ -12,47 +19,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from mqd import __version__, protocol
-from mqd.backend import Backend, Capability, Message
+from mqd import protocol, stats
+from mqd.backend import (
+    Backend,
+    Capability,
+    Limits,
+    Message,
+    Put,
+    QueueSize,
+    Receipt,
+    Reclaimed,
+    Sync,
+)
 from mqd.config import Config, QueueSettings
 from mqd.errors import ClientError, NotSupported, ServerError, UnknownCommand
-from mqd.protocol import REPLY, Key, Retrieve, Store
+from mqd.protocol import Key, Retrieve, Store
+from mqd.stats import Counters
 
 log = logging.getLogger(__name__)
 
-SETTINGS_CACHE = 65536  # queues whose resolved settings are remembered
+QUEUE_STATES = 65536  # queues whose state is kept when idle (names are client-chosen)
 THIRTY_DAYS = 60 * 60 * 24 * 30  # memcached: larger exptimes are absolute Unix times
 
-STORED = REPLY["stored"]
-NOT_STORED = REPLY["not_stored"]
-END = REPLY["end"]
-
-
-@dataclass
-class Counters:
-    """memcached's general counters; `stats reset` zeroes them."""
-
-    cmd_get: int = 0
-    cmd_set: int = 0
-    get_hits: int = 0
-    get_misses: int = 0
-    total_connections: int = 0
-
-
-@dataclass
-class QueueCounters:
-    """Per-queue counters; `stats reset` zeroes them."""
-
-    enqueued: int = 0
-    dequeued: int = 0
-    expired: int = 0
+Hits = list[tuple[Key, Message]]
 
 
 class Session:
@@ -62,18 +57,43 @@ class Session:
 
     def __init__(self, flush: Callable[[], None] = lambda: None) -> None:
         self.flush = flush  # sends the replies so far, before the broker waits
-        self.open: dict[str, Lease] = {}
+        self.open: dict[str, Opened] = {}
         self.waiter: asyncio.Future[str | None] | None = None  # set while a get waits
 
 
 @dataclass(eq=False)
-class Lease:
-    """An open message: reserved in the backend, held by one session."""
+class Opened:
+    """An open message this daemon handed out, and the receipt of its lease."""
 
     queue: str
     message: Message
+    receipt: Receipt  # kept apart: a backend may hand the same Message out again later
     session: Session | None
     timer: asyncio.TimerHandle | None = None
+
+
+class QueueState:
+    """This daemon's view of one queue: settings, counters, waiting gets, open messages."""
+
+    __slots__ = ("dequeued", "enqueued", "expired", "limits", "opened", "settings", "waiters")
+
+    def __init__(self, settings: QueueSettings) -> None:
+        self.configure(settings)
+        self.enqueued = 0
+        self.dequeued = 0
+        self.expired = 0
+        self.waiters: deque[asyncio.Future[str | None]] = deque()
+        self.opened: dict[int, Opened] = {}  # by offset
+
+    def configure(self, settings: QueueSettings) -> None:
+        self.settings = settings
+        self.limits = Limits(
+            settings.max_items, settings.max_bytes, settings.overflow == "drop_oldest"
+        )
+
+    def idle(self) -> bool:
+        """Nothing here that forgetting would lose but counters."""
+        return not self.waiters and not self.opened
 
 
 def expiry(exptime: int, now: float) -> float | None:
@@ -95,40 +115,48 @@ class Broker:
         self.started = time.time()
         self.counters = Counters()
         self.curr_connections = 0
-        self._queue_counters: dict[str, QueueCounters] = {}
-        self._settings: dict[str, QueueSettings] = {}
-        self._waiters: dict[str, deque[asyncio.Future[str | None]]] = {}
-        self._leases: dict[str, dict[int, Lease]] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._queues: dict[str, QueueState] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._unique = Capability.UNIQUE in backend.capabilities
+        self._shared = Capability.SHARED in backend.capabilities
+        self._reclaimer: asyncio.Task[None] | None = None
+        self._pending_flush: asyncio.TimerHandle | None = None
         self.stopping = False
 
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the backend and settle what was open when it last stopped."""
+        """Open the backend and return the leases this daemon held when it last stopped."""
+        self.backend.owner = self.config.owner()
         await self.backend.open()
-        recovered = await self.backend.recover()
-        for queue, message in recovered:
-            await self._give_back(Lease(queue, message, None))
-        if recovered:
-            log.info("returned %d message(s) left open by the last run", len(recovered))
+        self.backend.listen(self._arrived)
+        returned = await self.backend.reclaim(
+            self._route, sync=Sync.ALWAYS, owner=self.backend.owner
+        )
+        self._reclaimed(returned)
+        if returned:
+            log.info("returned %d message(s) left open by the last run", len(returned))
+        if self._shared:
+            self._reclaimer = asyncio.ensure_future(self._reclaim_periodically())
 
     def begin_stop(self) -> None:
         """End every wait now: waiting gets answer with what they have."""
         self.stopping = True
-        for waiters in self._waiters.values():
-            for waiter in waiters:
+        for state in self._queues.values():
+            for waiter in state.waiters:
                 if not waiter.done():
                     waiter.set_result(None)
 
     async def stop(self) -> None:
         """Give back every open message, then close the backend."""
         self.begin_stop()
-        for leases in list(self._leases.values()):
-            for lease in list(leases.values()):
-                await self._give_back(lease)
+        if self._reclaimer is not None:
+            self._reclaimer.cancel()
+        if self._pending_flush is not None:
+            self._pending_flush.cancel()
+        for state in list(self._queues.values()):
+            for opened in list(state.opened.values()):
+                await self._give_back(opened)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.backend.close()
@@ -136,84 +164,60 @@ class Broker:
     def reconfigure(self, config: Config) -> None:
         """Apply new per-queue settings (SIGHUP)."""
         self.config = config
-        self._settings.clear()
+        for name, state in self._queues.items():
+            state.configure(config.queue_settings(name))
+
+    def state(self, queue: str) -> QueueState:
+        """The queue's state, made on first use."""
+        try:
+            return self._queues[queue]
+        except KeyError:
+            if len(self._queues) >= QUEUE_STATES:
+                self._forget_idle()
+            state = self._queues[queue] = QueueState(self.config.queue_settings(queue))
+            return state
 
     def settings(self, queue: str) -> QueueSettings:
-        """The queue's settings, resolved once and cached."""
-        try:
-            return self._settings[queue]
-        except KeyError:
-            if len(self._settings) >= SETTINGS_CACHE:
-                self._settings.clear()  # names are client-chosen: keep the cache bounded
-            settings = self._settings[queue] = self.config.queue_settings(queue)
-            return settings
+        return self.state(queue).settings
 
-    def _counters(self, queue: str) -> QueueCounters:
-        try:
-            return self._queue_counters[queue]
-        except KeyError:
-            counters = self._queue_counters[queue] = QueueCounters()
-            return counters
+    def _forget_idle(self) -> None:
+        """Keep the per-queue table bounded: drop idle queues, those without counts first."""
+        quiet = [n for n, s in self._queues.items() if s.idle()]
+        silent = [n for n in quiet if not (s := self._queues[n]).enqueued and not s.dequeued]
+        for name in silent or quiet:
+            del self._queues[name]
 
     # -- enqueue -----------------------------------------------------------
 
-    async def store(self, command: Store) -> bytes:
-        """`set` or `add`."""
+    async def store(self, command: Store) -> Put:
+        """`set` or `add`: what the backend did with the message."""
         self.counters.cmd_set += 1
         queue = command.queue
-        settings = self._settings.get(queue) or self.settings(queue)
+        state = self._queues.get(queue) or self.state(queue)
+        settings = state.settings
         unique = command.add or settings.unique
         if unique and not self._unique:
-            feature = "add" if command.add else "unique"
-            raise NotSupported(feature, self.backend.name)
+            raise NotSupported("add" if command.add else "unique", self.backend.name)
         if len(command.body) > settings.max_item_size:
             raise ServerError(protocol.TOO_LARGE)
         now = time.time()
         expires = expiry(command.exptime, now) if command.exptime else 0.0
         if expires is None:
-            return STORED  # already expired: stored as nothing, as memcached does
+            return Put.STORED  # already expired: stored as nothing, as memcached does
         message = Message(command.body, command.flags, expires, now)
-        if settings.max_items or settings.max_bytes:
-            lock = self._locks.get(queue)
-            if lock is None:
-                lock = self._locks[queue] = asyncio.Lock()
-            async with lock:
-                if not await self._make_room(queue, settings, len(command.body)):
-                    return NOT_STORED
-                offset = await self.backend.put(queue, message, unique=unique, sync=settings.sync)
-        else:
-            offset = await self.backend.put(queue, message, unique=unique, sync=settings.sync)
-        if offset is None:  # the body is already in the queue
-            return NOT_STORED if command.add else STORED
-        self._counters(queue).enqueued += 1
-        if self._waiters:
-            self._wake(queue)
-        return STORED
-
-    async def _make_room(self, queue: str, settings: QueueSettings, size: int) -> bool:
-        """Whether one more message of `size` bytes fits, dropping the oldest if allowed."""
-        if settings.max_bytes and size > settings.max_bytes:
-            return False
-        while True:
-            gauges = await self.backend.size(queue)
-            if gauges is None:
-                return True
-            full = (settings.max_items and gauges.items >= settings.max_items) or (
-                settings.max_bytes and gauges.bytes + size > settings.max_bytes
-            )
-            if not full:
-                return True
-            if settings.overflow != "drop_oldest":
-                return False
-            dropped = await self.backend.take(queue, sync=settings.sync)
-            if dropped is None:  # everything left is open: nothing may be dropped
-                return False
-            log.debug("queue %r full: dropped message %d", queue, dropped.offset)
+        result = await self.backend.put(
+            queue, message, sync=settings.sync, unique=unique, limits=state.limits
+        )
+        if result is Put.STORED:
+            state.enqueued += 1
+            if state.waiters:
+                self._wake(state, queue)
+        return result
 
     # -- dequeue -----------------------------------------------------------
 
-    async def retrieve(self, command: Retrieve, session: Session) -> bytes:
-        """`get` or `gets`, with every option and multiple keys."""
+    async def retrieve(self, command: Retrieve, session: Session) -> Hits:
+        """`get` or `gets`, with every option and multiple keys: the values, in key order."""
         keys = command.keys
         if len(keys) == 1 and keys[0].plain:
             # `get <queue>`: what most consumers send, without the general machinery.
@@ -222,18 +226,16 @@ class Broker:
             message = await self._take(key.queue)
             if message is None:
                 self.counters.get_misses += 1
-                return END
+                return []
             self.counters.get_hits += 1
-            if command.with_ids:
-                return protocol.value(key.raw, message.flags, message.body, message.offset) + END
-            return protocol.single_value(key.raw, message.flags, message.body)
+            return [(key, message)]
         self._check_keys(keys, session)
         self.counters.cmd_get += len(keys)
         loop = asyncio.get_running_loop()
         start = loop.time()
-        out: list[bytes] = []
+        hits: Hits = []
         try:
-            hits = await self._pass(keys, session, command.with_ids, out, first=True)
+            await self._pass(keys, session, hits, first=True)
             waits = [k for k in keys if k.wait_ms]
             while not hits and waits and not self.stopping:
                 now = loop.time()
@@ -242,16 +244,34 @@ class Broker:
                     break
                 deadline = max(start + self._wait_of(k) for k in live)
                 await self._wait([k.queue for k in live], deadline - now, session)
-                hits = await self._pass(live, session, command.with_ids, out, first=False)
+                await self._pass(live, session, hits, first=False)
         except Exception:
-            if not out:
+            if not hits:
                 raise
             # Messages already taken must reach the client: answer with them.
-            log.exception("get failed after %d value(s); sending those", len(out))
-        self.counters.get_hits += len(out)
-        self.counters.get_misses += len(keys) - len(out)
-        out.append(END)
-        return b"".join(out)
+            log.exception("get failed after %d value(s); sending those", len(hits))
+        self.counters.get_hits += len(hits)
+        self.counters.get_misses += len(keys) - len(hits)
+        return hits
+
+    async def take_first(
+        self, queues: list[str], timeout: float, session: Session
+    ) -> tuple[str, Message] | None:
+        """One message from the first of `queues` that has one, waiting up to `timeout` s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(timeout, self.config.max_wait)
+        while True:
+            for queue in queues:
+                self.counters.cmd_get += 1
+                message = await self._take(queue)
+                if message is not None:
+                    self.counters.get_hits += 1
+                    return queue, message
+                self.counters.get_misses += 1
+            left = deadline - loop.time()
+            if left <= 0 or self.stopping:
+                return None
+            await self._wait(queues, left, session)
 
     def _wait_of(self, key: Key) -> float:
         return min((key.wait_ms or 0) / 1000, self.config.max_wait)
@@ -269,23 +289,13 @@ class Broker:
                 opening.add(key.queue)
 
     async def _pass(
-        self,
-        keys: list[Key] | tuple[Key, ...],
-        session: Session,
-        ids: bool,
-        out: list[bytes],
-        *,
-        first: bool,
-    ) -> int:
-        """Serve each key once; return how many VALUEs were added to `out`."""
-        hits = 0
+        self, keys: Iterable[Key], session: Session, hits: Hits, *, first: bool
+    ) -> None:
+        """Serve each key once, adding what was found to `hits`."""
         for key in keys:
             message = await self._serve(key, session, first)
             if message is not None:
-                offset = message.offset if ids else None
-                out.append(protocol.value(key.raw, message.flags, message.body, offset))
-                hits += 1
-        return hits
+                hits.append((key, message))
 
     async def _serve(self, key: Key, session: Session, first: bool) -> Message | None:
         queue = key.queue
@@ -296,9 +306,9 @@ class Broker:
                 if not key.open:
                     return None
             if key.abort:
-                lease = session.open.get(queue)
-                if lease is not None:
-                    await self._give_back(lease)
+                opened = session.open.get(queue)
+                if opened is not None:
+                    await self._give_back(opened)
                 return None
         if key.at is not None:
             message = await self.backend.read_at(queue, key.at)
@@ -310,27 +320,29 @@ class Broker:
         return await self._take(queue)
 
     async def _take(self, queue: str) -> Message | None:
-        settings = self._settings.get(queue) or self.settings(queue)
+        state = self._queues.get(queue) or self.state(queue)
         while True:
-            message = await self.backend.take(queue, sync=settings.sync)
+            message = await self.backend.take(queue, sync=state.settings.sync)
             if message is None:
                 return None
             if _expired(message):
-                self._counters(queue).expired += 1
+                state.expired += 1
                 continue
-            self._counters(queue).dequeued += 1
+            state.dequeued += 1
             return message
 
     async def _peek(self, queue: str) -> Message | None:
+        state = self.state(queue)
         while True:
             message = await self.backend.peek(queue)
             if message is None or not _expired(message):
                 return message
-            if await self.backend.remove(queue, message.offset, sync=self.settings(queue).sync):
-                self._counters(queue).expired += 1
+            if await self.backend.remove(queue, message.offset, sync=state.settings.sync):
+                state.expired += 1
 
     async def _open(self, queue: str, session: Session) -> Message | None:
-        settings = self.settings(queue)
+        state = self.state(queue)
+        settings = state.settings
         while True:
             message = await self.backend.reserve(
                 queue, lease=settings.visibility_timeout, sync=settings.sync
@@ -339,64 +351,94 @@ class Broker:
                 return None
             if not _expired(message):
                 break
-            await self.backend.remove(queue, message.offset, sync=settings.sync)
-            self._counters(queue).expired += 1
-        lease = Lease(queue, message, session)
-        session.open[queue] = lease
-        self._leases.setdefault(queue, {})[message.offset] = lease
+            assert message.receipt is not None
+            if await self.backend.ack(message.receipt, sync=settings.sync):
+                state.expired += 1
+        assert message.receipt is not None
+        opened = Opened(queue, message, message.receipt, session)
+        session.open[queue] = opened
+        state.opened[message.offset] = opened
         if settings.visibility_timeout:
             loop = asyncio.get_running_loop()
-            lease.timer = loop.call_later(settings.visibility_timeout, self._timed_out, lease)
+            opened.timer = loop.call_later(settings.visibility_timeout, self._timed_out, opened)
         return message
 
     async def _close(self, session: Session, queue: str) -> None:
-        lease = session.open.get(queue)
-        if lease is None:
+        opened = session.open.get(queue)
+        if opened is None:
             return
-        self._forget(lease)
-        if await self.backend.remove(queue, lease.message.offset, sync=self.settings(queue).sync):
-            self._counters(queue).dequeued += 1
+        self._forget(opened)
+        receipt = opened.receipt
+        state = self.state(queue)
+        # False: the lease was lost (timed out and returned, or the queue
+        # deleted); the message is someone else's now and stays.
+        if await self.backend.ack(receipt, sync=state.settings.sync):
+            state.dequeued += 1
 
-    def _forget(self, lease: Lease) -> None:
+    def _forget(self, opened: Opened) -> None:
         """Drop the broker's record of an open message (not the message)."""
-        if lease.timer is not None:
-            lease.timer.cancel()
-        if lease.session is not None and lease.session.open.get(lease.queue) is lease:
-            del lease.session.open[lease.queue]
-        leases = self._leases.get(lease.queue)
-        if leases is not None:
-            leases.pop(lease.message.offset, None)
-            if not leases:
-                del self._leases[lease.queue]
+        if opened.timer is not None:
+            opened.timer.cancel()
+        session = opened.session
+        if session is not None and session.open.get(opened.queue) is opened:
+            del session.open[opened.queue]
+        state = self._queues.get(opened.queue)
+        if state is not None and state.opened.get(opened.message.offset) is opened:
+            del state.opened[opened.message.offset]
 
-    async def _give_back(self, lease: Lease) -> None:
-        """An open message comes back: to its queue, or to the dead letters."""
-        self._forget(lease)
-        queue, message = lease.queue, lease.message
+    def _route(self, queue: str, message: Message) -> str | None:
+        """Where an open message that comes back goes: its dead-letter queue, or None."""
         settings = self.settings(queue)
         if settings.max_deliveries and message.deliveries >= settings.max_deliveries:
-            dead = settings.dead_letter_for(queue)
-            dead_settings = self.settings(dead)
-            copy = Message(message.body, message.flags, message.expires, message.created)
-            # Stored in the dead letters before removal: a crash in between
-            # delivers it twice rather than never.
-            await self.backend.put(dead, copy, unique=False, sync=dead_settings.sync)
-            await self.backend.remove(queue, message.offset, sync=settings.sync)
-            self._counters(dead).enqueued += 1
+            return settings.dead_letter_for(queue)
+        return None
+
+    async def _give_back(self, opened: Opened) -> None:
+        """An open message of ours comes back: to its queue, or to the dead letters."""
+        self._forget(opened)
+        queue, message = opened.queue, opened.message
+        to = self._route(queue, message)
+        if await self.backend.release(opened.receipt, sync=self.settings(queue).sync, to=to):
+            self._reclaimed([Reclaimed(queue, message, to)])
+
+    def _reclaimed(self, ended: list[Reclaimed]) -> None:
+        """Leases ended by release() or reclaim(): settle our records, count, wake."""
+        for queue, message, moved_to in ended:
+            state = self._queues.get(queue)
+            if state is not None:
+                opened = state.opened.get(message.offset)
+                if opened is not None and opened.receipt == message.receipt:
+                    self._forget(opened)
+            if moved_to is None:
+                self._wake_queue(queue)
+                continue
+            self.state(moved_to).enqueued += 1
             log.info(
                 "message %d of %r moved to %r after %d deliveries",
                 message.offset,
                 queue,
-                dead,
+                moved_to,
                 message.deliveries,
             )
-            self._wake(dead)
-            return
-        if await self.backend.release(queue, message.offset, sync=settings.sync):
-            self._wake(queue)
+            self._wake_queue(moved_to)
 
-    def _timed_out(self, lease: Lease) -> None:
-        self._spawn(self._give_back(lease))
+    async def reclaim(self) -> int:
+        """End every expired lease in the store, whoever held it; how many this call ended."""
+        ended = await self.backend.reclaim(self._route, sync=Sync.ALWAYS)
+        self._reclaimed(ended)
+        return len(ended)
+
+    async def _reclaim_periodically(self) -> None:
+        """Shared stores: return the expired leases of daemons that died."""
+        while True:
+            await asyncio.sleep(self.config.reclaim_interval)
+            try:
+                await self.reclaim()
+            except Exception:
+                log.exception("reclaiming expired leases failed; trying again later")
+
+    def _timed_out(self, opened: Opened) -> None:
+        self._spawn(self._give_back(opened))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -410,8 +452,8 @@ class Broker:
 
     async def end_session(self, session: Session) -> None:
         """A connection closed: its open messages go back to their queues."""
-        for lease in list(session.open.values()):
-            await self._give_back(lease)
+        for opened in list(session.open.values()):
+            await self._give_back(opened)
 
     # -- waiting -----------------------------------------------------------
 
@@ -422,7 +464,10 @@ class Broker:
         waiter: asyncio.Future[str | None] = loop.create_future()
         names = set(queues)
         for queue in names:
-            self._waiters.setdefault(queue, deque()).append(waiter)
+            state = self.state(queue)
+            if not state.waiters:
+                self.backend.watch(queue, True)
+            state.waiters.append(waiter)
         timer = loop.call_later(timeout, _settle, waiter)
         session.waiter = waiter
         try:
@@ -430,19 +475,17 @@ class Broker:
         except asyncio.CancelledError:
             # A wake-up meant for this waiter must not be lost with it.
             if waiter.done() and not waiter.cancelled() and waiter.result() is not None:
-                self._wake(waiter.result() or "")
+                self._wake_queue(waiter.result() or "")
             raise
         finally:
             session.waiter = None
             timer.cancel()
             for queue in names:
-                waiters = self._waiters.get(queue)
-                if waiters is None:
-                    continue
+                state = self.state(queue)
                 with contextlib.suppress(ValueError):
-                    waiters.remove(waiter)
-                if not waiters:
-                    del self._waiters[queue]
+                    state.waiters.remove(waiter)
+                if not state.waiters:
+                    self.backend.watch(queue, False)
 
     @staticmethod
     def interrupt(session: Session) -> None:
@@ -450,22 +493,33 @@ class Broker:
         if session.waiter is not None and not session.waiter.done():
             session.waiter.cancel()
 
-    def _wake(self, queue: str) -> None:
-        """A message arrived in `queue`: wake its longest-waiting get."""
-        waiters = self._waiters.get(queue)
+    def _arrived(self, queue: str) -> None:
+        """The backend says a message may have arrived in `queue` from elsewhere."""
+        self._wake_queue(queue)
+
+    def _wake_queue(self, queue: str) -> None:
+        state = self._queues.get(queue)
+        if state is not None and state.waiters:
+            self._wake(state, queue)
+
+    @staticmethod
+    def _wake(state: QueueState, queue: str) -> None:
+        """A message arrived: wake the queue's longest-waiting get."""
+        waiters = state.waiters
         while waiters:
             waiter = waiters.popleft()
             if not waiter.done():
                 waiter.set_result(queue)
                 return
 
-    # -- purge -------------------------------------------------------------
+    # -- purge and sets ----------------------------------------------------
 
     async def delete(self, queue: str) -> bool:
-        for lease in list(self._leases.get(queue, {}).values()):
-            self._forget(lease)
-        self._queue_counters.pop(queue, None)
-        return await self.backend.delete(queue, sync=self.settings(queue).sync)
+        state = self.state(queue)
+        for opened in list(state.opened.values()):
+            self._forget(opened)
+        state.enqueued = state.dequeued = state.expired = 0
+        return await self.backend.delete(queue, sync=state.settings.sync)
 
     def check_flush_all(self) -> None:
         if not self.config.allow_flush_all:
@@ -473,88 +527,64 @@ class Broker:
 
     async def flush_all(self) -> None:
         self.check_flush_all()
-        for leases in list(self._leases.values()):
-            for lease in list(leases.values()):
-                self._forget(lease)
-        self._queue_counters.clear()
-        await self.backend.flush_all(sync=self.settings("").sync)
+        for state in self._queues.values():
+            for opened in list(state.opened.values()):
+                self._forget(opened)
+            state.enqueued = state.dequeued = state.expired = 0
+        await self.backend.flush_all(sync=self.config.queue_settings("").sync)
 
     def flush_all_later(self, delay: float) -> None:
-        """memcached's `flush_all <delay>`."""
+        """memcached's `flush_all <delay>`: one pending flush, the latest asked for."""
+        self.check_flush_all()
+        if self._pending_flush is not None:
+            self._pending_flush.cancel()
         loop = asyncio.get_running_loop()
-        loop.call_later(delay, self._spawn, self.flush_all())
+        self._pending_flush = loop.call_later(delay, self._flush_due)
+
+    def _flush_due(self) -> None:
+        self._pending_flush = None
+        self._spawn(self.flush_all())
+
+    async def size(self, queue: str) -> QueueSize | None:
+        return await self.backend.size(queue)
+
+    def _need_unique(self, what: str) -> None:
+        if not self._unique:
+            raise NotSupported(what, self.backend.name)
+
+    async def contains(self, queue: str, body: bytes) -> bool:
+        """Whether a message with this body is in the queue (backends that know bodies)."""
+        self._need_unique("contains")
+        return await self.backend.contains(queue, body)
+
+    async def discard(self, queue: str, body: bytes) -> int:
+        """Remove the waiting messages with this body; how many."""
+        self._need_unique("discard")
+        return await self.backend.discard(queue, body, sync=self.settings(queue).sync)
 
     # -- introspection -----------------------------------------------------
 
-    async def stats(self, args: tuple[bytes, ...]) -> bytes:
-        if args == (b"reset",):
-            self.counters = Counters()
-            for counters in self._queue_counters.values():
-                counters.enqueued = counters.dequeued = counters.expired = 0
-            return REPLY["reset"]
-        if args == (b"queues",):
-            lines, _, _ = await self._queue_stats()
-            return b"".join(lines) + END
-        if args == (b"settings",):
-            return b"".join(protocol.stat(k, v) for k, v in self._settings_stats()) + END
-        if args:
+    def reset_stats(self) -> None:
+        """`stats reset`: this daemon's counters start again from zero."""
+        self.counters = Counters()
+        for state in self._queues.values():
+            state.enqueued = state.dequeued = state.expired = 0
+
+    async def stats(self, group: str = "") -> list[tuple[str, object]]:
+        """The figures of a `stats` group: "" (general and per queue), "queues", "settings"."""
+        if group == "settings":
+            return stats.settings(self.config, self.backend.name)
+        if group not in ("", "queues"):
             raise UnknownCommand()  # memcached's answer to an unknown stats group
-        lines, items, size = await self._queue_stats()
-        now = time.time()
-        general = [
-            ("pid", os.getpid()),
-            ("uptime", int(now - self.started)),
-            ("time", int(now)),
-            ("version", __version__),
-            ("curr_connections", self.curr_connections),
-            *((f.name, getattr(self.counters, f.name)) for f in fields(self.counters)),
-            ("curr_items", items),
-            ("bytes", size),
-            ("backend", self.backend.name),
-        ]
-        head = [protocol.stat(name, value) for name, value in general]
-        return b"".join(head + lines) + END
+        sizes = await self.backend.sizes()
+        per_queue = stats.queues(sizes, self._queue_counts)
+        if group == "queues":
+            return per_queue
+        return stats.general(self, sizes) + per_queue
 
-    def _settings_stats(self) -> list[tuple[str, object]]:
-        """memcached's `stats settings` names, for what mqd has, then mqd's own."""
-        config = self.config
-        return [
-            ("maxconns", config.max_connections),
-            ("tcpport", config.port),
-            ("inter", config.listen),
-            ("item_size_max", config.max_item_size),
-            ("idle_timeout", int(config.idle_timeout)),
-            ("flush_enabled", "yes" if config.allow_flush_all else "no"),
-            ("shutdown_command", "yes" if config.allow_shutdown else "no"),
-            ("num_threads", 1),
-            ("backend", self.backend.name),
-            ("max_wait", config.max_wait),
-        ]
-
-    async def _queue_stats(self) -> tuple[list[bytes], int, int]:
-        lines: list[bytes] = []
-        items = size = 0
-        now = time.time()
-        for queue in sorted(await self.backend.queues()):
-            gauges = await self.backend.size(queue)
-            if gauges is None:
-                continue
-            counters = self._counters(queue)
-            age = int((now - gauges.head_created) * 1000) if gauges.head_created else 0
-            items += gauges.items
-            size += gauges.bytes
-            prefix = "queue_" + queue + "_"
-            for name, value in (
-                ("items", gauges.items),
-                ("bytes", gauges.bytes),
-                ("open", gauges.open),
-                ("enqueued", counters.enqueued),
-                ("dequeued", counters.dequeued),
-                ("expired", counters.expired),
-                ("age_ms", max(age, 0)),
-            ):
-                lines.append(protocol.stat(prefix + name, value))
-        return lines, items, size
+    def _queue_counts(self, queue: str) -> tuple[int, int, int]:
+        state = self._queues.get(queue)
+        return (state.enqueued, state.dequeued, state.expired) if state else (0, 0, 0)
 
 
 def _expired(message: Message) -> bool:

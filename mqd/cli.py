@@ -13,8 +13,7 @@ from mqd import __version__
 from mqd import backend as backends
 from mqd import config as configuration
 from mqd.errors import MqdError
-
-QUEUE_FIELDS = ("items", "bytes", "open", "enqueued", "dequeued", "expired", "age_ms")
+from mqd.protocol import QUEUE_STATS
 
 config_option = click.option(
     "--config",
@@ -151,10 +150,10 @@ def stats(host: str, port: int) -> None:
     # Names are data: show them whole, on one line, so they can be copied.
     longest = max((len(name) for name in queues), default=5)
     per_queue.add_column("queue", no_wrap=True, min_width=longest)
-    for name in QUEUE_FIELDS:
+    for name in QUEUE_STATS:
         per_queue.add_column(name, justify="right")
     for name in sorted(queues):
-        per_queue.add_row(name, *(queues[name].get(f, "") for f in QUEUE_FIELDS))
+        per_queue.add_row(name, *(queues[name].get(f, "") for f in QUEUE_STATS))
     console = Console()
     console.print(general)
     console.print(per_queue)
@@ -163,7 +162,7 @@ def stats(host: str, port: int) -> None:
 def _queue_field(key: str) -> str | None:
     if not key.startswith("queue_"):
         return None
-    return next((f for f in QUEUE_FIELDS if key.endswith("_" + f)), None)
+    return next((f for f in QUEUE_STATS if key.endswith("_" + f)), None)
 
 
 def _text(value: object) -> str:

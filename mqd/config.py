@@ -7,10 +7,12 @@ allowed; `mqd serve` and `mqd check-config` print it and exit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import logging
 import tomllib
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from mqd.errors import ConfigError
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OVERFLOW = ("reject", "drop_oldest")
 LOOPS = ("asyncio", "uvloop", "auto")
+DAEMON_ID_FILE = "daemon-id"  # in data_dir, when [storage] daemon_id is not set
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class Config:
     backend: str = "bdb"
     data_dir: Path = Path("data")
     sync_interval_ms: int = 1000
+    daemon_id: str = ""  # owner of this daemon's leases; "": one kept in data_dir
+    reclaim_interval: float = 1.0  # seconds between reclaims on a shared store
+    poll_interval_ms: int = 50  # shared store: a waiting get polls at most this often
     # [storage.<name>] tables, by backend name: each belongs to its backend
     backend_tables: dict[str, dict[str, Any]] = field(default_factory=dict)
     # [queues."<glob>"], in file order; later matches override earlier ones
@@ -85,8 +91,27 @@ class Config:
             config_path=self.path,
             data_dir=self.data_dir,
             sync_interval_ms=self.sync_interval_ms,
+            poll_interval_ms=self.poll_interval_ms,
             extra=self.backend_tables.get(self.backend, {}),
         )
+
+    def owner(self) -> str:
+        """This daemon's id: the configured one, or one kept in the data directory.
+
+        It owns the daemon's leases, so it must survive restarts: a restarting
+        daemon returns its own leases from before at once, and only those.
+        """
+        if self.daemon_id:
+            return self.daemon_id
+        path = Path(self.data_dir) / DAEMON_ID_FILE
+        with contextlib.suppress(FileNotFoundError):
+            known = path.read_text().strip()
+            if known:
+                return known
+        made = uuid.uuid4().hex
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(made + "\n")
+        return made
 
     @property
     def log_level_number(self) -> int:
@@ -177,6 +202,9 @@ _STORAGE_KEYS: dict[str, str] = {
     "backend": "string",
     "data_dir": "path",
     "sync_interval_ms": "positive",
+    "daemon_id": "string",
+    "reclaim_interval": "positive_number",
+    "poll_interval_ms": "positive",
 }
 _QUEUE_KEYS: dict[str, str] = {
     "max_items": "count",
@@ -208,6 +236,8 @@ def _read(check: TableReader, kinds: dict[str, str]) -> dict[str, Any]:
             out[key] = check.integer(key, 0)
         elif kind == "number":
             out[key] = check.number(key)
+        elif kind == "positive_number":
+            out[key] = check.number(key, above=True)
         elif kind == "boolean":
             out[key] = check.boolean(key)
         elif kind == "log_level":

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mqd.backend import name_bytes, name_text
+from mqd.backend import Message, Put
 from mqd.errors import ClientError, ProtocolError, ServerError, UnknownCommand
 
 MAX_NAME = 250  # bytes in a queue name
@@ -32,6 +32,9 @@ REPLY = {
     "reset": b"RESET\r\n",
 }
 
+#: The per-queue `stats` figures, after `queue_<name>_`, in the order they are sent.
+QUEUE_STATS = ("items", "bytes", "open", "enqueued", "dequeued", "expired", "age_ms")
+
 BAD_FORMAT = "bad command line format"
 BAD_CHUNK = "bad data chunk"
 LINE_TOO_LONG = "line too long"
@@ -42,6 +45,16 @@ UNSUPPORTED_STORAGE = frozenset({b"replace", b"append", b"prepend", b"cas"})
 UNSUPPORTED_OTHER = frozenset({b"incr", b"decr", b"touch", b"gat", b"gats"})
 
 _BAD_NAME_BYTE = re.compile(rb"[\x00-\x20\x7f/+]")
+
+
+def name_bytes(name: str) -> bytes:
+    """The exact wire bytes of a queue name."""
+    return name.encode("utf-8", "surrogateescape")
+
+
+def name_text(raw: bytes) -> str:
+    """The queue name for wire bytes: the inverse of name_bytes."""
+    return raw.decode("utf-8", "surrogateescape")
 
 
 # -- commands -----------------------------------------------------------------
@@ -482,6 +495,30 @@ def value(key: bytes, flags: int, body: bytes, offset: int | None = None) -> byt
 def single_value(key: bytes, flags: int, body: bytes) -> bytes:
     """A whole `get` reply of one VALUE, built in one step (the common reply)."""
     return b"VALUE %b %d %d\r\n%b\r\nEND\r\n" % (key, flags, len(body), body)
+
+
+def store_reply(command: Store, result: Put) -> bytes:
+    """`set` is refused only by a full queue; `add` also by a body already there."""
+    if result is Put.STORED or (result is Put.DUPLICATE and not command.add):
+        return REPLY["stored"]
+    return REPLY["not_stored"]
+
+
+def values_reply(hits: list[tuple[Key, Message]], with_ids: bool) -> bytes:
+    """A whole `get`/`gets` reply: a VALUE block per message found, then END."""
+    if not hits:
+        return REPLY["end"]
+    if len(hits) == 1 and not with_ids:
+        key, message = hits[0]
+        return single_value(key.raw, message.flags, message.body)
+    out = [value(k.raw, m.flags, m.body, m.offset if with_ids else None) for k, m in hits]
+    out.append(REPLY["end"])
+    return b"".join(out)
+
+
+def stats_reply(figures: list[tuple[str, object]]) -> bytes:
+    """STAT lines, then END."""
+    return b"".join([stat(name, val) for name, val in figures]) + REPLY["end"]
 
 
 def stat(name: str | bytes, val: object) -> bytes:

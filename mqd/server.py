@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, cast
 
 from mqd import __version__, protocol
-from mqd.backend import Backend
+from mqd.backend import Backend, Put
 from mqd.broker import Broker, Session
 from mqd.config import Config
 from mqd.errors import ConfigError, ProtocolError, ServerError, UnknownCommand
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 PENDING_HIGH = 4096  # parsed commands waiting on one connection before it stops reading
 TOO_MANY_CONNECTIONS = b"ERROR Too many open connections\r\n"
+STORED = REPLY["stored"]
 
 
 class Connection(asyncio.Protocol):
@@ -151,11 +152,16 @@ class Connection(asyncio.Protocol):
             try:
                 # The two commands that carry the load skip the dispatch table.
                 if kind is Store:
-                    reply = await broker.store(command)  # type: ignore[arg-type]
+                    stored = await broker.store(command)  # type: ignore[arg-type]
                     if command.noreply:  # type: ignore[union-attr]
                         continue
+                    if stored is Put.STORED:
+                        reply = STORED
+                    else:
+                        reply = protocol.store_reply(command, stored)  # type: ignore[arg-type]
                 elif kind is Retrieve:
-                    reply = await broker.retrieve(command, self.session)  # type: ignore[arg-type]
+                    hits = await broker.retrieve(command, self.session)  # type: ignore[arg-type]
+                    reply = protocol.values_reply(hits, command.with_ids)  # type: ignore[union-attr]
                 else:
                     result = await _DISPATCH[kind](self, command)
                     if result is None:
@@ -194,14 +200,19 @@ class Connection(asyncio.Protocol):
 
     async def _flush_all(self, command: FlushAll) -> bytes | None:
         if command.delay:
-            self.broker.check_flush_all()
             self.broker.flush_all_later(command.delay)
         else:
             await self.broker.flush_all()
         return None if command.noreply else REPLY["ok"]
 
     async def _stats(self, command: Stats) -> bytes:
-        return await self.broker.stats(command.args)
+        if command.args == (b"reset",):
+            self.broker.reset_stats()
+            return REPLY["reset"]
+        if len(command.args) > 1:
+            raise UnknownCommand()
+        group = command.args[0].decode("ascii", "replace") if command.args else ""
+        return protocol.stats_reply(await self.broker.stats(group))
 
     async def _version(self, command: Version) -> bytes:
         return b"VERSION %b\r\n" % __version__.encode()

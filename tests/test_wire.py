@@ -65,6 +65,15 @@ def test_delete_and_flush_all(raw: Raw, q: str) -> None:
     raw.call(b"delete %b\r\n" % q.encode(), b"DELETED\r\n")
     raw.call(b"delete %b\r\n" % q.encode(), b"NOT_FOUND\r\n")
     raw.call(b"delete %b noreply\r\nversion\r\n" % q.encode(), b"VERSION 0.1.0\r\n")
+    other = q + "-other"
+    for name in (q, other):
+        store(raw, name, b"x")
+    raw.call(b"flush_all\r\n", b"OK\r\n")
+    for name in (q, other):
+        raw.call(b"get %b\r\n" % name.encode(), b"END\r\n")
+    assert f"queue_{q}_items" not in stats_of(raw)
+    store(raw, q, b"y")
+    raw.call(b"flush_all noreply\r\nget %b\r\n" % q.encode(), b"END\r\n")
 
 
 def test_error_replies(raw: Raw) -> None:
@@ -263,14 +272,19 @@ def test_pipelined_replies_come_in_order(daemon: Daemon, q: str) -> None:
 
 
 def test_stats(raw: Raw, q: str) -> None:
+    before = stats_of(raw)
     store(raw, q, b"abc")
     store(raw, q, b"de")
     raw.call(b"get %b/open\r\n" % q.encode(), value(q + "/open", b"abc") + b"END\r\n")
+    raw.call(b"get %b-none\r\n" % q.encode(), b"END\r\n")
     stats = stats_of(raw)
     for name in ("pid", "uptime", "time", "version", "curr_connections", "total_connections"):
         assert name in stats
-    for name in ("cmd_get", "cmd_set", "get_hits", "get_misses", "curr_items", "bytes"):
-        assert int(stats[name]) >= 0
+    grew = {n: int(stats[n]) - int(before[n]) for n in ("cmd_get", "cmd_set", "get_hits")}
+    assert grew == {"cmd_get": 2, "cmd_set": 2, "get_hits": 1}
+    assert int(stats["get_misses"]) - int(before["get_misses"]) == 1
+    assert int(stats["curr_items"]) - int(before["curr_items"]) == 2
+    assert int(stats["bytes"]) - int(before["bytes"]) == 5
     assert (stats[f"queue_{q}_items"], stats[f"queue_{q}_bytes"], stats[f"queue_{q}_open"]) == (
         "2",
         "5",

@@ -1,19 +1,44 @@
-"""The in-memory backend: fast, FIFO, gone when the process ends."""
+"""The in-memory backend: fast, FIFO, gone when the process ends.
+
+Several backends built with the same `[storage.memory] share = "<name>"` use
+one store, as several daemons use one shared store: that is how the broker's
+many-instance mode is tested on every run without a server.
+"""
 
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
+from typing import ClassVar
 
-from mqd.backend import Backend, Capability, Message, QueueSize, StorageOptions, Sync
+from mqd.backend import (
+    NO_LIMITS,
+    Backend,
+    Capability,
+    Lease,
+    Limits,
+    Message,
+    Put,
+    QueueSize,
+    Receipt,
+    Reclaimed,
+    Route,
+    StorageOptions,
+    Sync,
+    Wake,
+)
+from mqd.config import TableReader
 
 
 class _Queue:
-    __slots__ = ("bodies", "bytes", "next_offset", "reserved", "waiting")
+    __slots__ = ("bodies", "bytes", "incarnation", "leases", "next_offset", "reserved", "waiting")
 
-    def __init__(self) -> None:
+    def __init__(self, incarnation: int) -> None:
+        self.incarnation = incarnation
         self.waiting: deque[Message] = deque()  # sorted by offset
         self.reserved: dict[int, Message] = {}
+        self.leases: dict[int, Lease] = {}  # by offset, for every reserved message
         self.next_offset = 0
         self.bytes = 0
         # Body -> how many copies are in the queue. Built on the first unique
@@ -38,43 +63,136 @@ class _Queue:
         else:
             del bodies[body]
 
+    def append(self, message: Message) -> None:
+        message.offset = self.next_offset
+        self.next_offset += 1
+        self.waiting.append(message)
+        self.bytes += len(message.body)
+        if self.bodies is not None:
+            self.count(message.body, 1)
+
+    def pop_head(self) -> Message:
+        message = self.waiting.popleft()
+        self.forget(message)
+        return message
+
     def forget(self, message: Message) -> None:
         self.bytes -= len(message.body)
         self.count(message.body, -1)
+
+    def find_waiting(self, offset: int) -> int | None:
+        i = bisect.bisect_left(self.waiting, offset, key=_offset)
+        if i < len(self.waiting) and self.waiting[i].offset == offset:
+            return i
+        return None
+
+    def unreserve(self, offset: int) -> Message:
+        """Take a message out of the reserved set, lease and all (still counted)."""
+        del self.leases[offset]
+        return self.reserved.pop(offset)
+
+    def requeue(self, message: Message) -> None:
+        # Returned messages nearly always belong at or near the head.
+        self.waiting.insert(bisect.bisect_left(self.waiting, message.offset, key=_offset), message)
+
+    def make_room(self, limits: Limits, size: int) -> bool:
+        """Whether a message of `size` bytes fits, dropping the oldest if allowed."""
+        if limits.max_bytes and size > limits.max_bytes:
+            return False
+        while limits.overflow(len(self.waiting) + len(self.reserved), self.bytes, size):
+            if not (limits.drop_oldest and self.waiting):
+                return False
+            self.pop_head()
+        return True
+
+
+class _Store:
+    """The queues, and every backend handle that uses them."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, _Queue] = {}
+        self.incarnations = 0
+        self.handles: list[MemoryBackend] = []
+
+    def create(self, name: str) -> _Queue:
+        self.incarnations += 1
+        q = self.queues[name] = _Queue(self.incarnations)
+        return q
+
+    def arrived(self, queue: str, by: MemoryBackend) -> None:
+        """Wake every other handle's waiters: a message may be in `queue` now."""
+        for handle in self.handles:
+            if handle is not by:
+                handle._wake(queue)
+
+
+#: Stores shared by name within this process.
+_SHARED: dict[str, _Store] = {}
 
 
 class MemoryBackend(Backend):
     """Queues in process memory. `sync` has no meaning here and is ignored."""
 
     name = "memory"
-    capabilities = frozenset({Capability.UNIQUE, Capability.OFFSET, Capability.FIFO})
+    capabilities: ClassVar[frozenset[Capability]] = frozenset(
+        {Capability.UNIQUE, Capability.OFFSET, Capability.FIFO, Capability.SHARED}
+    )
 
     def __init__(self, options: StorageOptions) -> None:
         super().__init__(options)
-        self._queues: dict[str, _Queue] = {}
+        reader = TableReader(options.config_path, dict(options.extra), "storage.memory.")
+        share = reader.string("share") if "share" in options.extra else ""
+        reader.leftovers(["share"])
+        if share:
+            self._store = _SHARED.setdefault(share, _Store())
+        else:
+            self._store = _Store()
+        self._queues = self._store.queues
 
-    async def put(self, queue: str, message: Message, *, unique: bool, sync: Sync) -> int | None:
+    async def open(self) -> None:
+        self._store.handles.append(self)
+
+    async def close(self) -> None:
+        if self in self._store.handles:
+            self._store.handles.remove(self)
+
+    def listen(self, wake: Wake) -> None:
+        self._wake = wake
+
+    def _live(self, receipt: Receipt) -> _Queue | None:
+        """The receipt's queue if its lease is still the one held there."""
+        q = self._queues.get(receipt.queue)
+        if q is None or q.incarnation != receipt.incarnation:
+            return None
+        lease = q.leases.get(receipt.offset)
+        return q if lease is not None and lease.token == receipt.token else None
+
+    async def put(
+        self,
+        queue: str,
+        message: Message,
+        *,
+        sync: Sync,
+        unique: bool = False,
+        limits: Limits = NO_LIMITS,
+    ) -> Put:
         q = self._queues.get(queue)
         if q is None:
-            q = self._queues[queue] = _Queue()
+            q = self._store.create(queue)
         if unique and message.body in q.index():
-            return None
-        offset = message.offset = q.next_offset
-        q.next_offset = offset + 1
-        q.waiting.append(message)
-        q.bytes += len(message.body)
-        if q.bodies is not None:
-            q.count(message.body, 1)
-        return offset
+            return Put.DUPLICATE
+        if limits and not q.make_room(limits, len(message.body)):
+            return Put.FULL
+        q.append(message)
+        if len(self._store.handles) > 1:
+            self._store.arrived(queue, self)
+        return Put.STORED
 
     async def take(self, queue: str, *, sync: Sync) -> Message | None:
         q = self._queues.get(queue)
         if q is None or not q.waiting:
             return None
-        message = q.waiting.popleft()
-        q.bytes -= len(message.body)
-        if q.bodies is not None:
-            q.count(message.body, -1)
+        message = q.pop_head()
         message.deliveries += 1
         return message
 
@@ -84,36 +202,77 @@ class MemoryBackend(Backend):
             return None
         message = q.waiting.popleft()
         message.deliveries += 1
+        held = Lease.start(self.owner, lease, time.time())
         q.reserved[message.offset] = message
+        q.leases[message.offset] = held
+        message.receipt = Receipt(queue, q.incarnation, message.offset, held.token)
         return message
 
-    def _find_waiting(self, q: _Queue, offset: int) -> int | None:
-        i = bisect.bisect_left(q.waiting, offset, key=_offset)
-        if i < len(q.waiting) and q.waiting[i].offset == offset:
-            return i
-        return None
+    async def ack(self, receipt: Receipt, *, sync: Sync) -> bool:
+        q = self._live(receipt)
+        if q is None:
+            return False
+        q.forget(q.unreserve(receipt.offset))
+        return True
+
+    async def release(self, receipt: Receipt, *, sync: Sync, to: str | None = None) -> bool:
+        q = self._live(receipt)
+        if q is None:
+            return False
+        self._return(receipt.queue, q, q.unreserve(receipt.offset), to)
+        return True
+
+    def _return(self, queue: str, q: _Queue, message: Message, to: str | None) -> None:
+        """An open message comes back: to its queue, or moved to the dead letters `to`."""
+        if to is None:
+            q.requeue(message)
+            arrived = queue
+        else:
+            q.forget(message)
+            dead = self._queues.get(to) or self._store.create(to)
+            message.origin = queue
+            dead.append(message)
+            arrived = to
+        if len(self._store.handles) > 1:
+            self._store.arrived(arrived, self)
+
+    async def extend(self, receipt: Receipt, *, lease: float, sync: Sync) -> bool:
+        q = self._live(receipt)
+        if q is None:
+            return False
+        held = q.leases[receipt.offset]
+        deadline = time.time() + lease if lease else 0.0
+        q.leases[receipt.offset] = Lease(held.owner, deadline, held.token)
+        return True
+
+    async def reclaim(
+        self, route: Route, *, sync: Sync, owner: str | None = None
+    ) -> list[Reclaimed]:
+        now = time.time()
+        ended: list[Reclaimed] = []
+        for name, q in list(self._queues.items()):
+            if not q.leases:
+                continue
+            due = [
+                offset
+                for offset, lease in q.leases.items()
+                if lease.expired(now) or (owner is not None and lease.owner == owner)
+            ]
+            for offset in due:
+                message = q.unreserve(offset)
+                to = route(name, message)
+                self._return(name, q, message, to)
+                ended.append(Reclaimed(name, message, to))
+        return ended
 
     async def remove(self, queue: str, offset: int, *, sync: Sync) -> bool:
         q = self._queues.get(queue)
-        if q is None:
+        i = q.find_waiting(offset) if q is not None else None
+        if q is None or i is None:
             return False
-        message = q.reserved.pop(offset, None)
-        if message is None:
-            i = self._find_waiting(q, offset)
-            if i is None:
-                return False
-            message = q.waiting[i]
-            del q.waiting[i]
+        message = q.waiting[i]
+        del q.waiting[i]
         q.forget(message)
-        return True
-
-    async def release(self, queue: str, offset: int, *, sync: Sync) -> bool:
-        q = self._queues.get(queue)
-        message = q.reserved.pop(offset, None) if q is not None else None
-        if q is None or message is None:
-            return False
-        # Released messages nearly always belong at or near the head.
-        q.waiting.insert(bisect.bisect_left(q.waiting, offset, key=_offset), message)
         return True
 
     async def peek(self, queue: str) -> Message | None:
@@ -126,8 +285,27 @@ class MemoryBackend(Backend):
             return None
         if offset in q.reserved:
             return q.reserved[offset]
-        i = self._find_waiting(q, offset)
+        i = q.find_waiting(offset)
         return None if i is None else q.waiting[i]
+
+    async def contains(self, queue: str, body: bytes) -> bool:
+        q = self._queues.get(queue)
+        return q is not None and body in q.index()
+
+    async def discard(self, queue: str, body: bytes, *, sync: Sync) -> int:
+        q = self._queues.get(queue)
+        if q is None or body not in q.index():
+            return 0
+        kept: deque[Message] = deque()
+        removed = 0
+        for message in q.waiting:
+            if message.body == body:
+                q.forget(message)
+                removed += 1
+            else:
+                kept.append(message)
+        q.waiting = kept
+        return removed
 
     async def delete(self, queue: str, *, sync: Sync) -> bool:
         return self._queues.pop(queue, None) is not None

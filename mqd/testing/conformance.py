@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from mqd.backend import Backend, Capability, Message, Sync, name_bytes
+from mqd.backend import Backend, Capability, Limits, Message, Put, Sync
+from mqd.protocol import name_bytes
 
 T = TypeVar("T")
 B = TypeVar("B", bound=Backend)
@@ -52,6 +53,11 @@ HOSTILE_NAMES = [
     bytes(range(0x21, 0x7F)).replace(b"/", b"").replace(b"+", b"").decode(),
     bytes(range(0x80, 0x100)).decode("utf-8", "surrogateescape"),
 ]
+
+
+def no_dead_letters(queue: str, message: Message) -> str | None:
+    """A reclaim route that returns every message to its queue."""
+    return None
 
 
 def run_with(backend: B, body: Callable[[B], Awaitable[T]]) -> T:
@@ -89,7 +95,21 @@ class BackendConformance:
 
     @staticmethod
     async def put(backend: Backend, queue: str, body: bytes, **fields: Any) -> int | None:
-        return await backend.put(queue, Message(body, **fields), unique=False, sync=ALWAYS)
+        """The new message's offset, or None when nothing was stored."""
+        message = Message(body, **fields)
+        stored = await backend.put(queue, message, sync=ALWAYS)
+        return message.offset if stored is Put.STORED else None
+
+    @staticmethod
+    async def unique(backend: Backend, queue: str, body: bytes, **fields: Any) -> Put:
+        return await backend.put(queue, Message(body, **fields), unique=True, sync=ALWAYS)
+
+    @staticmethod
+    async def reserve(backend: Backend, queue: str, lease: float = 0) -> Message:
+        """Reserve the head, which the test knows is there."""
+        message = await backend.reserve(queue, lease=lease, sync=ALWAYS)
+        assert message is not None and message.receipt is not None
+        return message
 
     def fifo(self, backend: Backend) -> bool:
         return Capability.FIFO in backend.capabilities
@@ -165,13 +185,13 @@ class BackendConformance:
         async def body(b: Backend) -> None:
             for m in (b"aa", b"bbb", b"cccc"):
                 await self.put(b, "q", m, created=100.0)
-            reserved = await b.reserve("q", lease=0, sync=ALWAYS)
-            assert reserved is not None
+            reserved = await self.reserve(b, "q")
             size = await b.size("q")
             assert size is not None
             assert (size.items, size.bytes, size.open) == (3, 9, 1)
             assert size.head_created == 100.0
-            await b.remove("q", reserved.offset, sync=ALWAYS)
+            assert reserved.receipt is not None
+            assert await b.ack(reserved.receipt, sync=ALWAYS) is True
             size = await b.size("q")
             assert size is not None and (size.items, size.open) == (2, 0)
             assert size.bytes == 9 - len(reserved.body)
@@ -196,15 +216,20 @@ class BackendConformance:
     def test_reserve_hides_message_until_released(self, data_dir: Path) -> None:
         async def body(b: Backend) -> None:
             await self.put(b, "q", b"a")
-            m = await b.reserve("q", lease=0, sync=ALWAYS)
-            assert m is not None and m.body == b"a" and m.deliveries == 1
+            m = await self.reserve(b, "q")
+            first = m.receipt
+            assert m.body == b"a" and m.deliveries == 1 and first is not None
+            assert first.queue == "q" and first.offset == m.offset
             assert await b.take("q", sync=ALWAYS) is None
             assert await b.peek("q") is None
-            assert await b.release("q", m.offset, sync=ALWAYS) is True
-            assert await b.release("q", m.offset, sync=ALWAYS) is False
-            again = await b.reserve("q", lease=0, sync=ALWAYS)
-            assert again is not None and again.offset == m.offset
-            assert again.deliveries == 2
+            assert await b.release(first, sync=ALWAYS) is True
+            assert await b.release(first, sync=ALWAYS) is False
+            again = await self.reserve(b, "q")
+            assert again.offset == m.offset and again.deliveries == 2
+            # A new reservation of the same message is a new lease.
+            assert again.receipt is not None and again.receipt != first
+            assert await b.ack(first, sync=ALWAYS) is False
+            assert await b.ack(again.receipt, sync=ALWAYS) is True
 
         self.session(data_dir, body)
 
@@ -214,26 +239,27 @@ class BackendConformance:
                 pytest.skip("backend is not FIFO")
             for m in (b"1", b"2", b"3"):
                 await self.put(b, "q", m)
-            r1 = await b.reserve("q", lease=0, sync=ALWAYS)
-            r2 = await b.reserve("q", lease=0, sync=ALWAYS)
-            assert r1 is not None and r2 is not None
+            r1 = await self.reserve(b, "q")
+            r2 = await self.reserve(b, "q")
+            assert r1.receipt is not None and r2.receipt is not None
             await self.put(b, "q", b"4")
-            await b.release("q", r2.offset, sync=ALWAYS)
-            await b.release("q", r1.offset, sync=ALWAYS)
+            assert await b.release(r2.receipt, sync=ALWAYS) is True
+            assert await b.release(r1.receipt, sync=ALWAYS) is True
             got = [await b.take("q", sync=ALWAYS) for _ in range(4)]
             assert [m.body for m in got if m] == [b"1", b"2", b"3", b"4"]
 
         self.session(data_dir, body)
 
-    def test_remove_waiting_reserved_and_missing(self, data_dir: Path) -> None:
+    def test_remove_waiting_only(self, data_dir: Path) -> None:
         async def body(b: Backend) -> None:
             o1 = await self.put(b, "q", b"1")
             o2 = await self.put(b, "q", b"2")
             assert o1 is not None and o2 is not None
-            r = await b.reserve("q", lease=0, sync=ALWAYS)
-            assert r is not None
+            r = await self.reserve(b, "q")
             other = o2 if r.offset == o1 else o1
-            assert await b.remove("q", r.offset, sync=ALWAYS) is True
+            # An open message is its lease holder's: remove() leaves it.
+            assert await b.remove("q", r.offset, sync=ALWAYS) is False
+            assert r.receipt is not None and await b.ack(r.receipt, sync=ALWAYS) is True
             assert await b.remove("q", other, sync=ALWAYS) is True
             assert await b.remove("q", other, sync=ALWAYS) is False
             assert await b.remove("nope", 0, sync=ALWAYS) is False
@@ -249,8 +275,7 @@ class BackendConformance:
             m = await b.read_at("q", offsets[3] or 0)
             assert m is not None and m.body == b"m3"
             assert await b.read_at("q", 99) is None
-            r = await b.reserve("q", lease=0, sync=ALWAYS)
-            assert r is not None
+            r = await self.reserve(b, "q")
             still = await b.read_at("q", r.offset)
             assert still is not None and still.body == r.body
             size = await b.size("q")
@@ -258,23 +283,176 @@ class BackendConformance:
 
         self.session(data_dir, body)
 
+    # -- leases ------------------------------------------------------------
+
+    def test_expired_lease_is_reclaimed_once(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            for m in (b"1", b"2"):
+                await self.put(b, "q", m)
+            r = await self.reserve(b, "q", lease=0.2)
+            assert r.receipt is not None
+            assert await b.reclaim(no_dead_letters, sync=ALWAYS) == []
+            await asyncio.sleep(0.3)
+            returned = await b.reclaim(no_dead_letters, sync=ALWAYS)
+            assert [(x.queue, x.message.offset, x.moved_to) for x in returned] == [
+                ("q", r.offset, None)
+            ]
+            assert await b.reclaim(no_dead_letters, sync=ALWAYS) == []
+            # The old receipt names a lease that is gone.
+            assert await b.ack(r.receipt, sync=ALWAYS) is False
+            assert await b.release(r.receipt, sync=ALWAYS) is False
+            assert await b.extend(r.receipt, lease=10, sync=ALWAYS) is False
+            again = await self.reserve(b, "q")
+            assert again.offset == r.offset and again.deliveries == 2
+
+        self.session(data_dir, body)
+
+    def test_extend_keeps_lease(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            await self.put(b, "q", b"1")
+            r = await self.reserve(b, "q", lease=0.2)
+            assert r.receipt is not None
+            assert await b.extend(r.receipt, lease=30, sync=ALWAYS) is True
+            await asyncio.sleep(0.3)
+            assert await b.reclaim(no_dead_letters, sync=ALWAYS) == []
+            assert await b.ack(r.receipt, sync=ALWAYS) is True
+
+        self.session(data_dir, body)
+
+    def test_reclaim_by_owner_leaves_other_owners(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            for m in (b"1", b"2"):
+                await self.put(b, "q", m)
+            me = b.owner
+            b.owner = "someone-else"
+            theirs = await self.reserve(b, "q")
+            b.owner = me
+            mine = await self.reserve(b, "q")
+            returned = await b.reclaim(no_dead_letters, sync=ALWAYS, owner=me)
+            assert [x.message.offset for x in returned] == [mine.offset]
+            assert theirs.receipt is not None
+            assert await b.ack(theirs.receipt, sync=ALWAYS) is True
+
+        self.session(data_dir, body)
+
+    def test_release_to_dead_letters(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            await self.put(b, "q", b"poison", flags=3)
+            r = await self.reserve(b, "q")
+            assert r.receipt is not None
+            assert await b.release(r.receipt, sync=ALWAYS, to="q_dead") is True
+            assert await b.release(r.receipt, sync=ALWAYS, to="q_dead") is False
+            size = await b.size("q")
+            assert size is not None and (size.items, size.open) == (0, 0)
+            dead = await b.take("q_dead", sync=ALWAYS)
+            assert dead is not None and (dead.body, dead.flags) == (b"poison", 3)
+            assert dead.origin == "q"
+            assert await b.take("q_dead", sync=ALWAYS) is None
+
+        self.session(data_dir, body)
+
+    def test_reclaim_routes_to_dead_letters(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            await self.put(b, "q", b"poison")
+            await self.reserve(b, "q", lease=0.1)
+            await asyncio.sleep(0.2)
+            returned = await b.reclaim(lambda q, m: f"{q}_dead", sync=ALWAYS)
+            assert [(x.queue, x.moved_to) for x in returned] == [("q", "q_dead")]
+            dead = await b.take("q_dead", sync=ALWAYS)
+            assert dead is not None and dead.body == b"poison" and dead.origin == "q"
+            assert await b.take("q", sync=ALWAYS) is None
+
+        self.session(data_dir, body)
+
+    def test_stale_receipt_after_delete_and_recreate(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            await self.put(b, "q", b"old")
+            r = await self.reserve(b, "q")
+            assert r.receipt is not None
+            assert await b.delete("q", sync=ALWAYS) is True
+            assert await self.put(b, "q", b"new") == r.offset
+            fresh = await self.reserve(b, "q")
+            assert fresh.receipt is not None and fresh.receipt != r.receipt
+            assert await b.ack(r.receipt, sync=ALWAYS) is False
+            assert await b.release(r.receipt, sync=ALWAYS) is False
+            assert await b.release(fresh.receipt, sync=ALWAYS) is True
+            m = await b.take("q", sync=ALWAYS)
+            assert m is not None and m.body == b"new"
+
+        self.session(data_dir, body)
+
+    # -- limits --------------------------------------------------------------
+
+    def test_limits_reject(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            limits = Limits(max_items=3)
+            results = [
+                await b.put("q", Message(f"{i}".encode()), sync=ALWAYS, limits=limits)
+                for i in range(5)
+            ]
+            assert results == [Put.STORED] * 3 + [Put.FULL] * 2
+            await self.reserve(b, "q")  # open messages count
+            assert await b.put("q", Message(b"x"), sync=ALWAYS, limits=limits) is Put.FULL
+            await b.take("q", sync=ALWAYS)
+            assert await b.put("q", Message(b"x"), sync=ALWAYS, limits=limits) is Put.STORED
+            by_bytes = Limits(max_bytes=10)
+            assert await b.put("b", Message(b"x" * 11), sync=ALWAYS, limits=by_bytes) is Put.FULL
+            assert await b.put("b", Message(b"x" * 6), sync=ALWAYS, limits=by_bytes) is Put.STORED
+            assert await b.put("b", Message(b"x" * 6), sync=ALWAYS, limits=by_bytes) is Put.FULL
+
+        self.session(data_dir, body)
+
+    def test_limits_drop_oldest(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            limits = Limits(max_items=3, drop_oldest=True)
+            for i in range(6):
+                stored = await b.put("q", Message(f"{i}".encode()), sync=ALWAYS, limits=limits)
+                assert stored is Put.STORED
+            size = await b.size("q")
+            assert size is not None and size.items == 3
+            got = sorted([(await b.take("q", sync=ALWAYS) or Message(b"")).body for _ in range(3)])
+            assert got == [b"3", b"4", b"5"]
+            # Open messages are never dropped: a queue full of them refuses.
+            for i in range(3):
+                await b.put("q", Message(f"{i}".encode()), sync=ALWAYS, limits=limits)
+                await self.reserve(b, "q")
+            assert await b.put("q", Message(b"x"), sync=ALWAYS, limits=limits) is Put.FULL
+
+        self.session(data_dir, body)
+
     # -- uniqueness --------------------------------------------------------
+
+    def test_discard(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            if Capability.UNIQUE not in b.capabilities:
+                pytest.skip("backend has no uniqueness")
+            for m in (b"a", b"b", b"c"):
+                await self.unique(b, "q", m)
+            assert await b.discard("q", b"b", sync=ALWAYS) == 1
+            assert await b.discard("q", b"b", sync=ALWAYS) == 0
+            assert await b.discard("nope", b"b", sync=ALWAYS) == 0
+            assert await b.contains("q", b"b") is False
+            size = await b.size("q")
+            assert size is not None and (size.items, size.bytes) == (2, 2)
+
+        self.session(data_dir, body)
 
     def test_unique_put(self, data_dir: Path) -> None:
         async def body(b: Backend) -> None:
             if Capability.UNIQUE not in b.capabilities:
                 pytest.skip("backend has no uniqueness")
-            assert await b.put("q", Message(b"x"), unique=True, sync=ALWAYS) is not None
-            assert await b.put("q", Message(b"x", flags=7), unique=True, sync=ALWAYS) is None
-            assert await b.put("q", Message(b"y"), unique=True, sync=ALWAYS) is not None
-            r = await b.reserve("q", lease=0, sync=ALWAYS)
-            assert r is not None
+            assert await self.unique(b, "q", b"x") is Put.STORED
+            assert await self.unique(b, "q", b"x", flags=7) is Put.DUPLICATE
+            assert await self.unique(b, "q", b"y") is Put.STORED
+            r = await self.reserve(b, "q")
             # A reserved message still counts as in the queue.
-            assert await b.put("q", Message(r.body), unique=True, sync=ALWAYS) is None
-            await b.remove("q", r.offset, sync=ALWAYS)
-            assert await b.put("q", Message(r.body), unique=True, sync=ALWAYS) is not None
+            assert await self.unique(b, "q", r.body) is Put.DUPLICATE
+            assert await b.contains("q", r.body) is True
+            assert r.receipt is not None and await b.ack(r.receipt, sync=ALWAYS) is True
+            assert await b.contains("q", r.body) is False
+            assert await self.unique(b, "q", r.body) is Put.STORED
             # Uniqueness is per queue.
-            assert await b.put("other", Message(b"x"), unique=True, sync=ALWAYS) is not None
+            assert await self.unique(b, "other", b"x") is Put.STORED
 
         self.session(data_dir, body)
 
@@ -283,9 +461,9 @@ class BackendConformance:
             if Capability.UNIQUE not in b.capabilities:
                 pytest.skip("backend has no uniqueness")
             await self.put(b, "q", b"x")
-            assert await b.put("q", Message(b"x"), unique=True, sync=ALWAYS) is None
+            assert await self.unique(b, "q", b"x") is Put.DUPLICATE
             await b.take("q", sync=ALWAYS)
-            assert await b.put("q", Message(b"x"), unique=True, sync=ALWAYS) is not None
+            assert await self.unique(b, "q", b"x") is Put.STORED
 
         self.session(data_dir, body)
 
@@ -341,7 +519,7 @@ class BackendConformance:
             await b.take("q", sync=ALWAYS)
 
         async def second(b: Backend) -> None:
-            assert await b.recover() == []
+            assert await b.reclaim(no_dead_letters, sync=ALWAYS, owner=b.owner) == []
             size = await b.size("q")
             assert size is not None and (size.items, size.open) == (9, 0)
             assert await self.put(b, "q", b"m10") == 10
@@ -360,20 +538,22 @@ class BackendConformance:
         async def first(b: Backend) -> int:
             await self.put(b, "q", b"a")
             await self.put(b, "q", b"b")
-            m = await b.reserve("q", lease=0, sync=ALWAYS)
-            assert m is not None
+            m = await self.reserve(b, "q")
             return m.offset
 
         offset = self.session(data_dir, first)
 
         async def second(b: Backend) -> None:
-            recovered = await b.recover()
-            assert [(q, m.offset, m.deliveries) for q, m in recovered] == [("q", offset, 1)]
             size = await b.size("q")
             assert size is not None and (size.items, size.open) == (2, 1)
-            assert await b.release("q", offset, sync=ALWAYS) is True
-            m = await b.reserve("q", lease=0, sync=ALWAYS)
-            assert m is not None and m.offset == offset and m.deliveries == 2
+            # A lease of no deadline outlives the daemon until its owner's next start.
+            assert await b.reclaim(no_dead_letters, sync=ALWAYS) == []
+            returned = await b.reclaim(no_dead_letters, sync=ALWAYS, owner=b.owner)
+            assert [(r.queue, r.message.offset, r.moved_to) for r in returned] == [
+                ("q", offset, None)
+            ]
+            m = await self.reserve(b, "q")
+            assert m.offset == offset and m.deliveries == 2
 
         self.session(data_dir, second)
 
