@@ -1,17 +1,36 @@
 """The three Berkeley DB backends, as the broker sees them.
 
 Each call becomes one job for the environment's worker thread and one future
-to await; the gauges size() and queues() answer from are refreshed by the
-worker after every batch, so they cost no trip to the thread.
+to await; the gauges size(), sizes() and queues() answer from are published
+by the worker after every batch, so they cost no trip to the thread.
+
+These backends are not Capability.SHARED: one daemon holds the data
+directory (flock on LOCK), so the broker wakes its own waiters and listen()
+and watch() need nothing; leases are stored all the same, so a restart
+returns exactly the leases the daemon held (reclaim with its owner id).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from mqd.backend import Backend, Capability, Message, QueueSize, StorageOptions, Sync
+from mqd.backend import (
+    NO_LIMITS,
+    Backend,
+    Capability,
+    Limits,
+    Message,
+    Put,
+    QueueSize,
+    Receipt,
+    Reclaimed,
+    Route,
+    StorageOptions,
+    Sync,
+)
 from mqd.errors import StorageError
 from mqd_bdb import jobs
 from mqd_bdb.config import BdbConfig
@@ -19,6 +38,8 @@ from mqd_bdb.config import BdbConfig
 if TYPE_CHECKING:
     from mqd_bdb.store import Store
     from mqd_bdb.worker import Worker
+
+log = logging.getLogger("mqd.bdb")
 
 INSTALL_HINT = (
     "the Berkeley DB backends need the berkeleydb module: install the system's "
@@ -119,12 +140,16 @@ class _BdbBackend(Backend):
 
     # -- the interface ---------------------------------------------------------
 
-    async def recover(self) -> list[tuple[str, Message]]:
-        result: list[tuple[str, Message]] = await self._call(jobs.RECOVER, "", None, None)
-        return result
-
-    async def put(self, queue: str, message: Message, *, unique: bool, sync: Sync) -> int | None:
-        result: int | None = await self._call(jobs.PUT, queue, (message, unique), sync)
+    async def put(
+        self,
+        queue: str,
+        message: Message,
+        *,
+        sync: Sync,
+        unique: bool = False,
+        limits: Limits = NO_LIMITS,
+    ) -> Put:
+        result: Put = await self._call(jobs.PUT, queue, (message, unique, limits), sync)
         return result
 
     async def take(self, queue: str, *, sync: Sync) -> Message | None:
@@ -132,19 +157,59 @@ class _BdbBackend(Backend):
         return result
 
     async def reserve(self, queue: str, *, lease: float, sync: Sync) -> Message | None:
-        result: Message | None = await self._call(jobs.RESERVE, queue, None, sync)
+        result: Message | None = await self._call(jobs.RESERVE, queue, (self.owner, lease), sync)
         return result
+
+    async def ack(self, receipt: Receipt, *, sync: Sync) -> bool:
+        result: bool = await self._call(jobs.ACK, receipt.queue, receipt, sync)
+        return result
+
+    async def release(self, receipt: Receipt, *, sync: Sync, to: str | None = None) -> bool:
+        result: bool = await self._call(jobs.RELEASE, receipt.queue, (receipt, to), sync)
+        return result
+
+    async def extend(self, receipt: Receipt, *, lease: float, sync: Sync) -> bool:
+        result: bool = await self._call(jobs.EXTEND, receipt.queue, (receipt, lease), sync)
+        return result
+
+    async def reclaim(
+        self, route: Route, *, sync: Sync, owner: str | None = None
+    ) -> list[Reclaimed]:
+        # The worker lists the leases to end; `route` runs here, on the loop,
+        # since it reads the daemon's settings; then each lease still due
+        # ends in the worker, all in one batch.
+        due: list[tuple[str, Message]] = await self._call(jobs.LEASES, "", owner, None)
+        routes = [route(queue, message) for queue, message in due]
+        ended = await asyncio.gather(
+            *(
+                self._call(jobs.RECLAIM, queue, (message.receipt, to, owner), sync)
+                for (queue, message), to in zip(due, routes, strict=True)
+            ),
+            return_exceptions=True,
+        )
+        reclaimed: list[Reclaimed] = []
+        for (queue, message), to, result in zip(due, routes, ended, strict=True):
+            if isinstance(result, BaseException):
+                # Left open and due: the next reclaim() tries again.
+                log.warning("returning message %d of %r failed: %s", message.offset, queue, result)
+            elif result:
+                reclaimed.append(Reclaimed(queue, message, to))
+        return reclaimed
 
     async def remove(self, queue: str, offset: int, *, sync: Sync) -> bool:
         result: bool = await self._call(jobs.REMOVE, queue, offset, sync)
         return result
 
-    async def release(self, queue: str, offset: int, *, sync: Sync) -> bool:
-        result: bool = await self._call(jobs.RELEASE, queue, offset, sync)
-        return result
-
     async def peek(self, queue: str) -> Message | None:
         result: Message | None = await self._call(jobs.PEEK, queue, None, None)
+        return result
+
+    async def contains(self, queue: str, body: bytes) -> bool:
+        result: bool = await self._call(jobs.CONTAINS, queue, body, None)
+        return result
+
+    async def discard(self, queue: str, body: bytes, *, sync: Sync) -> int:
+        result: int = await self._call(jobs.DISCARD, queue, body, sync)
         return result
 
     async def delete(self, queue: str, *, sync: Sync) -> bool:
@@ -156,6 +221,9 @@ class _BdbBackend(Backend):
 
     async def size(self, queue: str) -> QueueSize | None:
         return self._sizes.get(queue)
+
+    async def sizes(self) -> dict[str, QueueSize]:
+        return dict(self._sizes)
 
 
 class BdbBackend(_BdbBackend):
@@ -185,7 +253,7 @@ class BdbSingleBackend(_BdbBackend):
 class BdbRandomBackend(_BdbBackend):
     """Every queue in one file as a set: each body once per queue, taken in no fixed order.
 
-    put() returns None for a body already in the queue whatever `unique` says.
+    put() of a body already in the queue is Put.DUPLICATE whatever `unique` says.
     """
 
     name = "bdb-random"

@@ -10,24 +10,28 @@ offsets match the messages exactly and offsets are never reused.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ClassVar
+from typing import Any
 
 from berkeleydb import db
 
 from mqd.backend import QueueSize
+from mqd.errors import StorageError
 from mqd_bdb.environment import Environment
 from mqd_bdb.names import decode_name, encode_name
 from mqd_bdb.records import (
+    CAT_FORMAT,
     CAT_NEXT_QID,
     CAT_PURGE,
     CAT_QUEUE,
     CAT_RESERVED,
     CREATED,
-    HDR_CREATED,
+    FORMAT_VERSION,
     INDEXED,
     META,
     MSG,
     QID,
+    REC_CREATED,
+    U32,
     UNIQ,
     delete_range,
 )
@@ -125,13 +129,13 @@ class QueueState:
             self.indexed,
         ) = state
 
-    def set_head(self, rec: tuple[bytes, bytes] | None, created_at: int) -> None:
+    def set_head(self, rec: tuple[bytes, bytes] | None) -> None:
         """The head is `rec` (None: the queue is empty)."""
         if rec is None or not rec[0].startswith(self.mpre):
             self.head_key, self.head_created = None, 0.0
         else:
             self.head_key = rec[0]
-            self.head_created = CREATED.unpack_from(rec[1], created_at)[0]
+            self.head_created = CREATED.unpack_from(rec[1], REC_CREATED)[0]
         self.head_dirty = False
 
     def head_removed(self, key: bytes) -> None:
@@ -155,9 +159,6 @@ Snapshot = tuple[QueueState, bool, tuple[Any, ...]]
 
 class Catalog(Environment):
     """The queues of an environment, loaded at open and saved with every batch."""
-
-    #: Where `created` sits in a message record.
-    created_at: ClassVar[int] = HDR_CREATED
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -184,6 +185,7 @@ class Catalog(Environment):
             q.mdb = q.udb = None
 
     def _load(self) -> None:
+        self._check_format()
         queues: dict[str, QueueState] = {}
         cur = self.cat.cursor()
         try:
@@ -209,9 +211,44 @@ class Catalog(Environment):
         self.queues = queues
         self.purges = purges
 
+    def _check_format(self) -> None:
+        """Refuse records of another format; mark a new catalog with this one."""
+        raw = self.cat.get(CAT_FORMAT)
+        if raw is not None and U32.unpack(raw)[0] == FORMAT_VERSION:
+            return
+        if raw is None and self._is_empty():
+            txn = self.env.txn_begin()
+            try:
+                self.cat.put(CAT_FORMAT, U32.pack(FORMAT_VERSION), txn)
+                txn.commit()
+            except BaseException:
+                txn.abort()
+                raise
+            return
+        found = "an older" if raw is None else f"version {U32.unpack(raw)[0]} of the"
+        raise StorageError(
+            f"data directory {self.data_dir} holds {found} record format; this version "
+            f"reads version {FORMAT_VERSION} only: drain it with the mqd version that wrote "
+            "it, or move it away (see plugins/bdb/README.md, Files)"
+        )
+
+    def _is_empty(self) -> bool:
+        cur = self.cat.cursor()
+        try:
+            return cur.first() is None
+        finally:
+            cur.close()
+
     def _make_queue(self, name: str, raw: bytes, qid: int) -> QueueState:
         """A queue object for a catalog entry; layouts set where its messages live."""
         return QueueState(name, raw, qid)
+
+    def _find(self, name: str) -> QueueState | None:
+        """The queue called `name`, its databases open; None if there is none."""
+        q = self.queues.get(name)
+        if q is not None and q.mdb is None:
+            self._attach(q)
+        return q
 
     def _attach(self, q: QueueState) -> None:
         """Open the queue's databases (called when `q.mdb` is None)."""
@@ -253,7 +290,7 @@ class Catalog(Environment):
             if q is None:
                 continue
             if q.head_dirty:
-                q.set_head(self._head(txn, q) if q.items else None, self.created_at)
+                q.set_head(self._head(txn, q) if q.items else None)
             cat.put(CAT_QUEUE + q.raw, q.meta(), txn)
             self._used(q)
         if self.next_qid != next_qid:

@@ -15,16 +15,15 @@ from collections.abc import Callable
 from typing import Any
 
 from mqd_bdb.catalog import CHUNK, QueueState
-from mqd_bdb.records import CAT_QUEUE, HDR, U32, delete_range, digest
-from mqd_bdb.store import NeedsIndex, Store
+from mqd_bdb.leases import Leases
+from mqd_bdb.records import CAT_QUEUE, U32, body_of, delete_range, digest
+from mqd_bdb.store import NeedsIndex
 
 INLINE_INDEX = 1000  # a queue this small has its bodies counted inside the batch
 
 
-class BodyIndex(Store):
+class BodyIndex(Leases):
     """The counting of bodies, for a layout whose queues have `udb` and `upre`."""
-
-    # -- counting bodies -------------------------------------------------------
 
     def _count_body(self, txn: Any, q: QueueState, body: bytes, delta: int) -> None:
         key = q.upre + digest(body)
@@ -52,7 +51,7 @@ class BodyIndex(Store):
             else:
                 rec = cur.set_range(q.mpre) if q.mpre else cur.first()
             while rec is not None and rec[0].startswith(q.mpre) and limit:
-                counts[digest(rec[1][HDR.size :])] += 1
+                counts[digest(body_of(rec[1]))] += 1
                 last = rec[0]
                 limit -= 1
                 rec = cur.next()
@@ -106,3 +105,10 @@ class BodyIndex(Store):
                 txn.abort()
             raise
         return value
+
+    def _count_of(self, txn: Any, q: QueueState, body: bytes) -> int:
+        """How many messages of `q` carry `body`, counting the queue first if need be."""
+        if not q.indexed:
+            self._index_inline(txn, q)
+        raw = q.udb.get(q.upre + digest(body), None, txn)
+        return U32.unpack(raw)[0] if raw else 0

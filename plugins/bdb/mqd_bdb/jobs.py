@@ -7,17 +7,41 @@ from typing import Any
 
 from mqd.backend import Sync
 
-# Operation codes, the first item of a Job.
-PUT = 0
-TAKE = 1
-RESERVE = 2
-REMOVE = 3
-RELEASE = 4
-PEEK = 5
-READ_AT = 6
-DELETE = 7
-RESTORE = 8  # give back a taken message whose caller went away
-RECOVER = 9
+# Operation codes, the first item of a Job; the argument each takes.
+PUT = 0  # (message, unique, limits) -> Put
+TAKE = 1  # None -> Message | None
+RESERVE = 2  # (owner, lease seconds) -> Message | None, its receipt set
+ACK = 3  # receipt -> bool
+RELEASE = 4  # (receipt, dead-letter queue or None) -> bool
+EXTEND = 5  # (receipt, lease seconds) -> bool
+LEASES = 6  # owner or None -> [(queue, message)]: the leases reclaim() ends
+RECLAIM = 7  # (receipt, dead-letter queue or None, owner or None) -> bool
+REMOVE = 8  # offset -> bool
+PEEK = 9  # None -> Message | None
+READ_AT = 10  # offset -> Message | None
+CONTAINS = 11  # body -> bool
+DISCARD = 12  # body -> int
+DELETE = 13  # None -> bool
+RESTORE = 14  # message: give back a taken message whose caller went away
+
+#: The Store method that runs each operation.
+METHODS = {
+    PUT: "put",
+    TAKE: "take",
+    RESERVE: "reserve",
+    ACK: "ack",
+    RELEASE: "release",
+    EXTEND: "extend",
+    LEASES: "leases",
+    RECLAIM: "reclaim",
+    REMOVE: "remove",
+    PEEK: "peek",
+    READ_AT: "read_at",
+    CONTAINS: "contains",
+    DISCARD: "discard",
+    DELETE: "delete",
+    RESTORE: "restore",
+}
 
 #: (operation, queue name, argument, sync or None for reads, future or None).
 Job = tuple[int, str, Any, Sync | None, "asyncio.Future[Any] | None"]

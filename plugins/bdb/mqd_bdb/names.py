@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import hashlib
 
-from mqd.backend import name_bytes as encode_name
-from mqd.backend import name_text as decode_name
+from mqd.protocol import name_bytes as encode_name
+from mqd.protocol import name_text as decode_name
 
 __all__ = ["decode_name", "encode_name", "escape", "file_stem"]
 

@@ -1,14 +1,24 @@
-"""The record format: catalog keys, message records, and their codecs.
+"""The record format: catalog keys, message and lease records, and their codecs.
 
 Every layout keeps a *catalog* of B-tree records, keyed by a one-byte kind:
 
     CAT_QUEUE    + name             -> META: qid, next offset, counts, head, flags
-    CAT_RESERVED + qid + offset     -> the message key suffix (reserved index)
+    CAT_RESERVED + qid + offset     -> LEASE: the open message's lease
     CAT_PURGE    + qid              -> a deleted queue whose records remain
     CAT_NEXT_QID                    -> the next queue id
+    CAT_FORMAT                      -> FORMAT_VERSION of the records below
 
-In the single-file layouts the messages live in the catalog's file too, under
-MSG (and body counts under UNIQ), followed by the queue id.
+The qid is given once, when a queue is created, and never again: it is the
+queue's *incarnation* in a Receipt, so a receipt from before a delete matches
+nothing in the queue created after it. In the single-file layouts the messages
+live in the catalog's file too, under MSG (and body counts under UNIQ),
+followed by the qid.
+
+A message record is REC (marker, offset, flags, expires, created, deliveries,
+length of `origin`), then `origin` (the queue a dead letter came from), then
+the body. Its key is the queue's prefix and a *suffix*: the big-endian offset
+in the FIFO layouts, the body's digest in bdb-random. A lease record is LEASE
+(deadline, token, length of the suffix), the suffix, then the owner's id.
 """
 
 from __future__ import annotations
@@ -17,14 +27,19 @@ import hashlib
 import struct
 from typing import Any
 
-from mqd.backend import Message
+from mqd.backend import Lease, Message
+from mqd.protocol import name_bytes, name_text
 
 CAT_QUEUE = b"\x00"
 CAT_RESERVED = b"\x01"
 CAT_PURGE = b"\x02"
 CAT_NEXT_QID = b"\x03"
+CAT_FORMAT = b"\x04"
 MSG = b"\x10"  # + qid + ...: messages, in the single-file layouts
 UNIQ = b"\x11"  # + qid + digest: copies of a body, in bdb-single
+
+#: Version 1 (no CAT_FORMAT record) had no leases, origins or offsets in FIFO records.
+FORMAT_VERSION = 2
 
 QID = struct.Struct(">I")
 U32 = struct.Struct(">I")
@@ -33,14 +48,14 @@ CREATED = struct.Struct(">d")
 #: qid, next offset, items, bytes, open, head's created, flags (INDEXED).
 META = struct.Struct(">IQQQQdB")
 INDEXED = 1  # META flag: the queue's copies of each body are counted
-#: A FIFO message: reserved marker, flags, expires, created, deliveries; body follows.
-HDR = struct.Struct(">BIddI")
-HDR_CREATED = 13
-#: A bdb-random message: marker, offset, flags, expires, created, deliveries; body follows.
-RHDR = struct.Struct(">BQIddI")
-RHDR_CREATED = 21
+#: A message: marker, offset, flags, expires, created, deliveries, origin length.
+REC = struct.Struct(">BQIddIH")
+REC_CREATED = 21  # where `created` sits in REC
+REC_ORIGIN = REC.size - 2  # where the origin's length sits
 WAITING = 0
 RESERVED = 1
+#: A lease: deadline, token, length of the message key suffix.
+LEASE = struct.Struct(">dQB")
 
 
 def digest(body: bytes) -> bytes:
@@ -48,15 +63,61 @@ def digest(body: bytes) -> bytes:
     return hashlib.blake2b(body, digest_size=16).digest()
 
 
-def fifo_message(key: bytes, value: bytes) -> Message:
-    _, flags, expires, created, deliveries = HDR.unpack_from(value)
-    offset = U64.unpack_from(key, len(key) - 8)[0]
-    return Message(value[HDR.size :], flags, expires, created, offset, deliveries)
+def message_record(marker: int, message: Message) -> bytes:
+    """The record of `message` (its offset set) in state `marker`."""
+    origin = name_bytes(message.origin) if message.origin else b""
+    return (
+        REC.pack(
+            marker,
+            message.offset,
+            message.flags,
+            message.expires,
+            message.created,
+            message.deliveries,
+            len(origin),
+        )
+        + origin
+        + message.body
+    )
 
 
-def random_message(value: bytes) -> Message:
-    _, offset, flags, expires, created, deliveries = RHDR.unpack_from(value)
-    return Message(value[RHDR.size :], flags, expires, created, offset, deliveries)
+def body_of(value: bytes) -> bytes:
+    """The body in a message record."""
+    return value[REC.size + (value[REC_ORIGIN] << 8 | value[REC_ORIGIN + 1]) :]
+
+
+def read_message(value: bytes) -> Message:
+    """The message a record holds."""
+    _, offset, flags, expires, created, deliveries, size = REC.unpack_from(value)
+    start = REC.size + size
+    origin = name_text(value[REC.size : start]) if size else ""
+    return Message(value[start:], flags, expires, created, offset, deliveries, origin=origin)
+
+
+def offset_of(value: bytes) -> int:
+    """The offset in a message record."""
+    return U64.unpack_from(value, 1)[0]  # type: ignore[no-any-return]
+
+
+def remarked(value: bytes, marker: int, deliveries: int | None = None) -> bytes:
+    """The record `value` in state `marker`, its delivery count changed if given."""
+    if deliveries is None:
+        return bytes((marker,)) + value[1:]
+    head = list(REC.unpack_from(value))
+    head[0], head[5] = marker, deliveries
+    return REC.pack(*head) + value[REC.size :]
+
+
+def lease_record(lease: Lease, suffix: bytes) -> bytes:
+    owner = name_bytes(lease.owner)
+    return LEASE.pack(lease.deadline, lease.token, len(suffix)) + suffix + owner
+
+
+def read_lease(value: bytes) -> tuple[Lease, bytes]:
+    """The lease and the message key suffix a lease record holds."""
+    deadline, token, size = LEASE.unpack_from(value)
+    end = LEASE.size + size
+    return Lease(name_text(value[end:]), deadline, token), value[LEASE.size : end]
 
 
 def delete_range(handle: Any, txn: Any, prefix: bytes, limit: int) -> int:

@@ -3,8 +3,9 @@
 Everything here runs on the environment's worker thread (mqd_bdb.worker). The
 worker hands a store a batch of jobs; the store runs them in one transaction
 and, should anything in it fail, aborts and runs them again one transaction
-each, so one bad job fails alone. The layouts (mqd_bdb.fifo and the modules
-that use it, mqd_bdb.random_set) supply the operations.
+each, so one bad job fails alone. mqd_bdb.leases and mqd_bdb.operations run
+the jobs in terms of the few calls a layout (mqd_bdb.fifo and the modules
+that use it, mqd_bdb.random_set) supplies, declared at the end of Store.
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ from typing import Any, ClassVar
 
 from berkeleydb import db
 
-from mqd.backend import Message
 from mqd.errors import StorageError
 from mqd_bdb import jobs
-from mqd_bdb.catalog import Catalog
+from mqd_bdb.catalog import Catalog, QueueState
 from mqd_bdb.errors import storage_error
-from mqd_bdb.records import CAT_RESERVED, U64
 
 
 class NeedsIndex(Exception):
@@ -40,16 +39,9 @@ class Store(Catalog):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self._ops: dict[int, Callable[[Any, str, Any], Any]] = {
-            jobs.PUT: self.put,
-            jobs.TAKE: self.take,
-            jobs.RESERVE: self.reserve,
-            jobs.REMOVE: self.remove,
-            jobs.RELEASE: self.release,
-            jobs.PEEK: self.peek,
-            jobs.READ_AT: self.read_at,
-            jobs.DELETE: self.delete,
-            jobs.RESTORE: self.restore,
-            jobs.RECOVER: self.recover_reserved,
+            op: getattr(self, method)
+            for op, method in jobs.METHODS.items()
+            if hasattr(self, method)  # read_at: the FIFO layouts only
         }
 
     def execute(
@@ -126,60 +118,46 @@ class Store(Catalog):
         """Count the bodies of a queue, in transactions of their own."""
         raise NotImplementedError("Store.build_index")
 
-    # -- operations (worker thread, inside the batch's transaction) ------------
+    # -- what a layout supplies ------------------------------------------------
 
-    def put(self, txn: Any, name: str, arg: tuple[Message, bool]) -> int | None:
-        raise NotImplementedError("Store.put")
+    #: Whether a message's key is its body's digest (a put of a body already
+    #: there stores nothing) rather than its offset.
+    keyed_by_body: ClassVar[bool] = False
 
-    def take(self, txn: Any, name: str, arg: None) -> Message | None:
-        raise NotImplementedError("Store.take")
+    def _key(self, q: QueueState, offset: int, body: bytes) -> bytes:
+        """The key of the message at `offset` with `body`."""
+        raise NotImplementedError("Store._key")
 
-    def reserve(self, txn: Any, name: str, arg: None) -> Message | None:
-        raise NotImplementedError("Store.reserve")
+    def _first_waiting(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:
+        """The record of the next waiting message to hand out; None if there is none."""
+        raise NotImplementedError("Store._first_waiting")
 
-    def remove(self, txn: Any, name: str, offset: int) -> bool:
-        raise NotImplementedError("Store.remove")
+    def _oldest_waiting(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:
+        """The record of the waiting message put first (what drop_oldest drops)."""
+        raise NotImplementedError("Store._oldest_waiting")
 
-    def release(self, txn: Any, name: str, offset: int) -> bool:
-        raise NotImplementedError("Store.release")
+    def _waiting_at(self, txn: Any, q: QueueState, offset: int) -> tuple[bytes, bytes] | None:
+        """The record of the waiting message at `offset`; None if no message waits there."""
+        raise NotImplementedError("Store._waiting_at")
 
-    def peek(self, txn: Any, name: str, arg: None) -> Message | None:
-        raise NotImplementedError("Store.peek")
+    def _advance(self, q: QueueState, key: bytes) -> None:
+        """The waiting message at `key` was handed out: start the next search after it."""
+        raise NotImplementedError("Store._advance")
 
-    def read_at(self, txn: Any, name: str, offset: int) -> Message | None:
-        raise NotImplementedError("Store.read_at")
+    def _rewind(self, q: QueueState, key: bytes) -> None:
+        """A message at `key` waits (again): let the next search find it."""
+        raise NotImplementedError("Store._rewind")
 
-    def restore(self, txn: Any, name: str, message: Message) -> bool:
-        raise NotImplementedError("Store.restore")
+    def _duplicate(self, txn: Any, q: QueueState, body: bytes, unique: bool) -> bool:
+        """Whether a put of `body` must store nothing because the body is there."""
+        raise NotImplementedError("Store._duplicate")
 
-    def delete(self, txn: Any, name: str, arg: None) -> bool:
-        """Single-file layouts: forget the queue now, purge its records later."""
-        q = self.queues.get(name)
-        if q is None:
-            return False
-        self._touch(q)
-        self._drop_catalog_entry(txn, q)
-        self._schedule_purge(txn, q)
-        del self.queues[name]
-        return True
+    def _contains(self, txn: Any, q: QueueState, body: bytes) -> bool:
+        raise NotImplementedError("Store._contains")
 
-    def recover_reserved(self, txn: Any, name: str, arg: None) -> list[tuple[str, Message]]:
-        by_qid = {q.qkey: q for q in self.queues.values()}
-        found: list[tuple[str, Message]] = []
-        cur = self.cat.cursor(txn)
-        try:
-            rec = cur.set_range(CAT_RESERVED)
-            while rec is not None and rec[0][:1] == CAT_RESERVED:
-                key, value = rec
-                q = by_qid.get(key[1:5])
-                if q is not None:
-                    message = self._read_reserved(txn, q, U64.unpack_from(key, 5)[0], value)
-                    if message is not None:
-                        found.append((q.name, message))
-                rec = cur.next()
-        finally:
-            cur.close()
-        return found
+    def _discard(self, txn: Any, q: QueueState, body: bytes) -> int:
+        raise NotImplementedError("Store._discard")
 
-    def _read_reserved(self, txn: Any, q: Any, offset: int, value: bytes) -> Message | None:
-        raise NotImplementedError("Store._read_reserved")
+    def _count_body(self, txn: Any, q: QueueState, body: bytes, delta: int) -> None:
+        """Keep the count of copies of `body` (queues with `indexed` set; mqd_bdb.index)."""
+        raise NotImplementedError("Store._count_body")

@@ -111,7 +111,7 @@ class Worker:
             if job[0] == jobs.TAKE:
                 self.inbox.put([(jobs.RESTORE, job[1], value, job[3], None)])
             elif job[0] == jobs.RESERVE:
-                self.inbox.put([(jobs.RELEASE, job[1], value.offset, job[3], None)])
+                self.inbox.put([(jobs.RELEASE, job[1], (value.receipt, None), job[3], None)])
 
     # -- worker thread ---------------------------------------------------------
 

@@ -1,0 +1,200 @@
+"""The message operations every layout shares: put with limits, take, reserve, remove, ...
+
+They run on the worker thread inside a batch's transaction, in terms of the
+calls a layout supplies (declared at the end of mqd_bdb.store.Store).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from berkeleydb import db
+
+from mqd.backend import Lease, Limits, Message, Put, Receipt
+from mqd_bdb.catalog import QueueState
+from mqd_bdb.records import (
+    CAT_RESERVED,
+    RESERVED,
+    U64,
+    WAITING,
+    body_of,
+    lease_record,
+    message_record,
+    read_message,
+    remarked,
+)
+from mqd_bdb.store import Store
+
+
+class Operations(Store):
+    """put, take, reserve, remove, peek, contains, discard, restore, delete."""
+
+    def put(self, txn: Any, name: str, arg: tuple[Message, bool, Limits]) -> Put:
+        message, unique, limits = arg
+        q = self._find(name) or self._create(name)
+        size = len(message.body)
+        # A full queue refuses a plain put before anything else; a unique put
+        # of a body that is there is a duplicate however full the queue is.
+        if not unique and limits and not limits.drop_oldest and not _fits(q, limits, size):
+            return Put.FULL
+        if self._duplicate(txn, q, message.body, unique):
+            return Put.DUPLICATE
+        if limits and not self._make_room(txn, q, limits, size):
+            return Put.FULL
+        return Put.STORED if self._append(txn, q, message) else Put.DUPLICATE
+
+    def _make_room(self, txn: Any, q: QueueState, limits: Limits, size: int) -> bool:
+        """Whether `size` more bytes fit, after dropping the oldest waiting if allowed."""
+        if _fits(q, limits, size):
+            return True
+        if limits.max_bytes and size > limits.max_bytes:
+            return False
+        if not limits.drop_oldest or (limits.max_items and q.open >= limits.max_items):
+            return False  # open messages are never dropped
+        while limits.overflow(q.items, q.bytes, size):
+            # The open messages' bytes are not counted apart: when they alone
+            # fill max_bytes, every waiting message goes before FULL is known.
+            rec = self._oldest_waiting(txn, q)
+            if rec is None:
+                return False
+            self._touch(q)
+            self._delete_record(txn, q, rec[0], body_of(rec[1]))
+        return True
+
+    def _append(self, txn: Any, q: QueueState, message: Message) -> bool:
+        """Store `message` at the end of `q` (setting its offset); False if its body is there."""
+        self._touch(q)
+        offset = q.next_offset
+        message.offset = offset
+        body = message.body
+        key = self._key(q, offset, body)
+        value = message_record(WAITING, message)
+        if self.keyed_by_body:
+            try:
+                q.mdb.put(key, value, txn, db.DB_NOOVERWRITE)
+            except db.DBKeyExistError:
+                return False
+        else:
+            q.mdb.put(key, value, txn)
+        q.next_offset = offset + 1
+        q.items += 1
+        q.bytes += len(body)
+        if q.indexed:
+            self._count_body(txn, q, body, 1)
+        self._rewind(q, key)
+        q.head_added(key, message.created)
+        return True
+
+    def _delete_record(self, txn: Any, q: QueueState, key: bytes, body: bytes) -> None:
+        """Remove the message record at `key` (the caller touched `q`)."""
+        q.mdb.delete(key, txn)
+        q.items -= 1
+        q.bytes -= len(body)
+        q.head_removed(key)
+        if q.indexed:
+            self._count_body(txn, q, body, -1)
+
+    def _pop(self, txn: Any, q: QueueState, lease: Lease | None) -> Message | None:
+        """Hand out the next waiting message: removed, or opened under `lease`."""
+        if q.items == q.open:
+            return None
+        rec = self._first_waiting(txn, q)
+        if rec is None:
+            return None
+        key, value = rec
+        message = read_message(value)
+        message.deliveries += 1
+        self._touch(q)
+        if lease is None:
+            self._delete_record(txn, q, key, message.body)
+        else:
+            offset = message.offset
+            q.mdb.put(key, remarked(value, RESERVED, message.deliveries), txn)
+            lease_key = CAT_RESERVED + q.qkey + U64.pack(offset)
+            self.cat.put(lease_key, lease_record(lease, key[len(q.mpre) :]), txn)
+            q.open += 1
+            message.receipt = Receipt(q.name, q.qid, offset, lease.token)
+        self._advance(q, key)
+        return message
+
+    def take(self, txn: Any, name: str, arg: None) -> Message | None:
+        q = self._find(name)
+        return None if q is None else self._pop(txn, q, None)
+
+    def reserve(self, txn: Any, name: str, arg: tuple[str, float]) -> Message | None:
+        q = self._find(name)
+        if q is None:
+            return None
+        owner, seconds = arg
+        return self._pop(txn, q, Lease.start(owner, seconds, time.time()))
+
+    def remove(self, txn: Any, name: str, offset: int) -> bool:
+        q = self._find(name)
+        rec = None if q is None else self._waiting_at(txn, q, offset)
+        if q is None or rec is None:
+            return False
+        self._touch(q)
+        self._delete_record(txn, q, rec[0], body_of(rec[1]))
+        return True
+
+    def peek(self, txn: Any, name: str, arg: None) -> Message | None:
+        q = self._find(name)
+        if q is None or q.items == q.open:
+            return None
+        rec = self._first_waiting(txn, q)
+        return None if rec is None else read_message(rec[1])
+
+    def contains(self, txn: Any, name: str, body: bytes) -> bool:
+        q = self._find(name)
+        return q is not None and self._contains(txn, q, body)
+
+    def discard(self, txn: Any, name: str, body: bytes) -> int:
+        q = self._find(name)
+        return 0 if q is None else self._discard(txn, q, body)
+
+    def restore(self, txn: Any, name: str, message: Message) -> bool:
+        """Put a taken message back where it was (its taker went away)."""
+        q = self._find(name)
+        if q is None:
+            return False
+        body = message.body
+        key = self._key(q, message.offset, body)
+        back = Message(
+            body,
+            message.flags,
+            message.expires,
+            message.created,
+            message.offset,
+            max(message.deliveries - 1, 0),
+            origin=message.origin,
+        )
+        try:
+            q.mdb.put(key, message_record(WAITING, back), txn, db.DB_NOOVERWRITE)
+        except db.DBKeyExistError:
+            return False  # bdb-random: the same body was put again meanwhile
+        self._touch(q)
+        q.items += 1
+        q.bytes += len(body)
+        if q.indexed:
+            self._count_body(txn, q, body, 1)
+        self._rewind(q, key)
+        q.head_added(key, message.created)
+        return True
+
+    def delete(self, txn: Any, name: str, arg: None) -> bool:
+        """Single-file layouts: forget the queue now, purge its records later."""
+        q = self.queues.get(name)
+        if q is None:
+            return False
+        self._touch(q)
+        self._drop_catalog_entry(txn, q)
+        self._schedule_purge(txn, q)
+        del self.queues[name]
+        return True
+
+
+def _fits(q: QueueState, limits: Limits, size: int) -> bool:
+    """Whether `size` more bytes fit in `q` as it is."""
+    too_big = limits.max_bytes and size > limits.max_bytes
+    return not too_big and not limits.overflow(q.items, q.bytes, size)
