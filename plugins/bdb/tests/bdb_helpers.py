@@ -8,8 +8,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from mqd.backend import Backend, Message, StorageOptions, Sync
-from mqd.testing.conformance import run_with
+from mqd.backend import Backend, Message, Put, StorageOptions, Sync
+from mqd.testing.conformance import no_dead_letters, run_with
 
 pytest.importorskip(
     "berkeleydb",
@@ -43,8 +43,19 @@ def session(
     return run_with(make(name, data_dir, **extra), body)
 
 
-async def put(backend: Backend, queue: str, body: bytes, sync: Sync = ALWAYS) -> int | None:
-    return await backend.put(queue, Message(body), unique=False, sync=sync)
+async def put(
+    backend: Backend, queue: str, body: bytes, sync: Sync = ALWAYS, *, unique: bool = False
+) -> int | None:
+    """The new message's offset, or None when nothing was stored."""
+    message = Message(body)
+    stored = await backend.put(queue, message, sync=sync, unique=unique)
+    return message.offset if stored is Put.STORED else None
+
+
+async def return_own(backend: Backend) -> list[tuple[str, Message]]:
+    """What a starting daemon does: return the leases it held; (queue, message) of each."""
+    ended = await backend.reclaim(no_dead_letters, sync=ALWAYS, owner=backend.owner)
+    return [(r.queue, r.message) for r in ended]
 
 
 async def drain(backend: Backend, queue: str) -> list[Message]:

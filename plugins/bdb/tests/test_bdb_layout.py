@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from bdb_helpers import ALWAYS, NAMES, drain, make, put, session
+from bdb_helpers import ALWAYS, NAMES, drain, make, put, return_own, session
 from berkeleydb import db
 from mqd_bdb.backend import _BdbBackend
 from mqd_bdb.environment import ENV_FLAGS
@@ -48,7 +48,7 @@ def test_single_file_delete_purges_records(name: str, tmp_path: Path) -> None:
                 break
             await asyncio.sleep(0.01)
         assert not b.worker.store.purges
-        assert await b.recover() == []
+        assert await return_own(b) == []
 
     session(name, tmp_path, body)
     assert files(tmp_path) == {"LOCK", "queues.db"}
@@ -61,8 +61,8 @@ def test_single_file_delete_purges_records(name: str, tmp_path: Path) -> None:
         handle.close()
     finally:
         env.close()
-    # Left: two catalog entries, the next queue id, and two messages.
-    assert records == 5
+    # Left: the format, two catalog entries, the next queue id, and two messages.
+    assert records == 6
 
 
 def test_bdb_keeps_a_bounded_number_of_files_open(tmp_path: Path) -> None:
@@ -108,7 +108,7 @@ def test_large_messages_round_trip(name: str, tmp_path: Path) -> None:
 
     async def first(b: _BdbBackend) -> None:
         for i in range(3):
-            await b.put("q", Message(big[i:] + big[:i]), unique=False, sync=ALWAYS)
+            await b.put("q", Message(big[i:] + big[:i]), sync=ALWAYS)
 
     async def second(b: _BdbBackend) -> None:
         got = sorted(m.body for m in await drain(b, "q"))

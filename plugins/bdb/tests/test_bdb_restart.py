@@ -7,13 +7,15 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
-from bdb_helpers import ALWAYS, FIFO_NAMES, NAMES, drain, put, session
+from bdb_helpers import ALWAYS, FIFO_NAMES, NAMES, drain, put, return_own, session
 from mqd_bdb.backend import _BdbBackend
 
-from mqd.backend import Capability
+from mqd.backend import Capability, Receipt
+from mqd.testing.conformance import no_dead_letters
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -39,28 +41,64 @@ def test_restart_keeps_counts_reservations_and_offsets(name: str, tmp_path: Path
     reserved, left = session(name, tmp_path, first)
 
     async def second(b: _BdbBackend) -> None:
-        recovered = await b.recover()
-        assert sorted((q, m.offset) for q, m in recovered) == [("a", o) for o in sorted(reserved)]
-        assert all(m.deliveries == 1 for _, m in recovered)
         assert sorted(await b.queues()) == ["a", "b", "empty"]
         a, bb, empty = await b.size("a"), await b.size("b"), await b.size("empty")
         assert a is not None and (a.items, a.open) == (30, 4)
         assert bb is not None and (bb.items, bb.open, bb.bytes) == (20, 0, left)
         assert empty is not None and (empty.items, empty.bytes, empty.open) == (0, 0, 0)
+        # Leases of no deadline stay until their owner starts again.
+        assert await b.reclaim(no_dead_letters, sync=ALWAYS) == []
+        recovered = await return_own(b)
+        assert sorted((q, m.offset) for q, m in recovered) == [("a", o) for o in sorted(reserved)]
+        assert all(m.deliveries == 1 for _, m in recovered)
+        assert await return_own(b) == []
+        a = await b.size("a")
+        assert a is not None and (a.items, a.open) == (30, 0)
         # Offsets continue; nothing handed out is reused.
         assert await put(b, "a", b"new") == 30
         assert await put(b, "empty", b"y") == 1
-        # Still reserved: only the 26 waiting ones come out.
-        rest = await drain(b, "a")
-        assert len(rest) == 27
-        assert not {m.offset for m in rest} & set(reserved)
-        for offset in reserved:
-            assert await b.release("a", offset, sync=ALWAYS) is True
         again = await drain(b, "a")
-        assert sorted(m.offset for m in again) == sorted(reserved)
-        assert all(m.deliveries == 2 for m in again)
+        assert len(again) == 31
+        back = [m for m in again if m.offset in reserved]
+        assert sorted(m.offset for m in back) == sorted(reserved)
+        assert all(m.deliveries == 2 for m in back)
         if Capability.FIFO in b.capabilities:
-            assert [m.offset for m in again] == sorted(reserved)
+            # Returned messages come first, in their order.
+            assert [m.offset for m in again[:4]] == sorted(reserved)
+
+    session(name, tmp_path, second)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_leases_survive_a_restart_of_their_owner_only(name: str, tmp_path: Path) -> None:
+    async def first(b: _BdbBackend) -> dict[str, tuple[bytes, Receipt]]:
+        for body in (b"one", b"two", b"three"):
+            await put(b, "q", body)
+        held: dict[str, tuple[bytes, Receipt]] = {}
+        for role, owner, lease in (("held", "A", 0.0), ("expiring", "A", 0.2), ("mine", "B", 0)):
+            b.owner = owner
+            m = await b.reserve("q", lease=lease, sync=ALWAYS)
+            assert m is not None and m.receipt is not None
+            held[role] = (m.body, m.receipt)
+        return held
+
+    held = session(name, tmp_path, first)
+    time.sleep(0.3)
+
+    async def second(b: _BdbBackend) -> None:
+        b.owner = "B"
+        ended = await return_own(b)
+        # B's own lease and A's expired one come back; A's live lease stays.
+        back = sorted([held["expiring"][0], held["mine"][0]])
+        assert sorted(m.body for _, m in ended) == back
+        size = await b.size("q")
+        assert size is not None and (size.items, size.open) == (3, 1)
+        # A receipt names its lease across restarts, and no other.
+        assert await b.ack(held["mine"][1], sync=ALWAYS) is False
+        assert await b.extend(held["held"][1], lease=30, sync=ALWAYS) is True
+        assert await b.ack(held["held"][1], sync=ALWAYS) is True
+        assert await b.ack(held["held"][1], sync=ALWAYS) is False
+        assert sorted(m.body for m in await drain(b, "q")) == back
 
     session(name, tmp_path, second)
 
@@ -95,11 +133,11 @@ CHILD = textwrap.dedent(
     async def main():
         b = classes[name](StorageOptions(data_dir=data_dir))
         await b.open()
-        await b.recover()
+        await b.reclaim(lambda q, m: None, sync=Sync.ALWAYS, owner=b.owner)
         async def producer(p):
             for i in range(100):
                 body = b"%d-%d" % (p, i)
-                await b.put("q%d" % (p % 3), Message(body), unique=False, sync=Sync.ALWAYS)
+                await b.put("q%d" % (p % 3), Message(body), sync=Sync.ALWAYS)
                 print("put", p % 3, body.decode(), flush=True)
         await asyncio.gather(*(producer(p) for p in range(6)))
         for q in range(3):
@@ -109,8 +147,8 @@ CHILD = textwrap.dedent(
             m = await b.reserve(f"q{q}", lease=0, sync=Sync.ALWAYS)
             print("reserve", q, m.body.decode(), m.offset, flush=True)
         # Unsynced work in flight when the process dies may or may not land.
-        tasks = [asyncio.ensure_future(b.put("q0", Message(b"late%d" % i), unique=False,
-                 sync=Sync.NONE)) for i in range(50)]
+        tasks = [asyncio.ensure_future(b.put("q0", Message(b"late%d" % i), sync=Sync.NONE))
+                 for i in range(50)]
         await asyncio.sleep(0)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -140,17 +178,18 @@ def test_sigkill_loses_nothing_acknowledged(name: str, tmp_path: Path) -> None:
     assert sum(len(v) for v in acked.values()) == 600 - 60
 
     async def check(b: _BdbBackend) -> None:
-        recovered = await b.recover()
+        sizes = {q: await b.size(f"q{q}") for q in range(3)}
+        recovered = await return_own(b)
         assert sorted((qn, m.body.decode(), m.offset) for qn, m in recovered) == sorted(
             (f"q{q}", body, offset) for q, (body, offset) in reserved.items()
         )
         for q in range(3):
-            size = await b.size(f"q{q}")
+            size = sizes[q]
             assert size is not None
             got = {m.body.decode() for m in await drain(b, f"q{q}")}
             late = {body for body in got if body.startswith("late")}
-            assert got - late == acked[q] - {reserved[q][0]}
-            assert size.items == len(got) + 1 and size.open == 1
+            assert got - late == acked[q]  # the open message came back
+            assert size.items == len(got) and size.open == 1
             assert await put(b, f"q{q}", b"after") == 200 + (len(late) if q == 0 else 0)
 
     session(name, tmp_path, check)
