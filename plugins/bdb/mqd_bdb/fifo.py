@@ -16,10 +16,6 @@ from mqd_bdb.index import BodyIndex
 from mqd_bdb.records import U64, WAITING, body_of, read_message
 
 
-def _offset(key: bytes) -> int:
-    return U64.unpack_from(key, len(key) - 8)[0]  # type: ignore[no-any-return]
-
-
 class FifoStore(BodyIndex):
     """Messages in offset order; PerQueueStore and SingleStore say which files hold them."""
 
@@ -53,14 +49,15 @@ class FifoStore(BodyIndex):
         value = q.mdb.get(key, None, txn)
         return (key, value) if value is not None and value[0] == WAITING else None
 
-    def _advance(self, q: QueueState, key: bytes) -> None:
-        q.hint = _offset(key) + 1
+    def _advance(self, q: QueueState, key: bytes, offset: int) -> None:
+        q.hint = offset + 1
 
-    def _rewind(self, q: QueueState, key: bytes) -> None:
-        q.hint = min(q.hint, _offset(key))
+    def _rewind(self, q: QueueState, key: bytes, offset: int) -> None:
+        if offset < q.hint:
+            q.hint = offset
 
-    def _duplicate(self, txn: Any, q: QueueState, body: bytes, unique: bool) -> bool:
-        return unique and self._count_of(txn, q, body) > 0
+    def _duplicate(self, txn: Any, q: QueueState, body: bytes) -> bool:
+        return self._count_of(txn, q, body) > 0
 
     def _contains(self, txn: Any, q: QueueState, body: bytes) -> bool:
         return self._count_of(txn, q, body) > 0

@@ -23,6 +23,7 @@ from mqd_bdb.records import (
     WAITING,
     body_of,
     lease_record,
+    offset_of,
     read_lease,
     read_message,
     remarked,
@@ -78,7 +79,7 @@ class Leases(Operations):
             return True
         if to is None:
             q.mdb.put(key, remarked(value, WAITING), txn)
-            self._rewind(q, key)
+            self._rewind(q, key, offset_of(value))
             return True
         message = read_message(value)
         self._delete_record(txn, q, key, message.body)

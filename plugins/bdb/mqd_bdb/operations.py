@@ -33,14 +33,18 @@ class Operations(Store):
     def put(self, txn: Any, name: str, arg: tuple[Message, bool, Limits]) -> Put:
         message, unique, limits = arg
         q = self._find(name) or self._create(name)
-        size = len(message.body)
-        # A full queue refuses a plain put before anything else; a unique put
-        # of a body that is there is a duplicate however full the queue is.
-        if not unique and limits and not limits.drop_oldest and not _fits(q, limits, size):
-            return Put.FULL
-        if self._duplicate(txn, q, message.body, unique):
+        bounded = limits.max_items or limits.max_bytes
+        if bounded:
+            size = len(message.body)
+            # A full queue refuses a plain put before anything else; a unique
+            # put of a body that is there is a duplicate however full it is.
+            if not unique and not limits.drop_oldest and not _fits(q, limits, size):
+                return Put.FULL
+        # Keyed by body, the write itself finds a duplicate, but only after
+        # drop_oldest made room: with limits, look first.
+        if (bounded if self.keyed_by_body else unique) and self._duplicate(txn, q, message.body):
             return Put.DUPLICATE
-        if limits and not self._make_room(txn, q, limits, size):
+        if bounded and not self._make_room(txn, q, limits, size):
             return Put.FULL
         return Put.STORED if self._append(txn, q, message) else Put.DUPLICATE
 
@@ -64,7 +68,8 @@ class Operations(Store):
 
     def _append(self, txn: Any, q: QueueState, message: Message) -> bool:
         """Store `message` at the end of `q` (setting its offset); False if its body is there."""
-        self._touch(q)
+        if q.name not in self._touched:
+            self._touch(q)
         offset = q.next_offset
         message.offset = offset
         body = message.body
@@ -82,7 +87,8 @@ class Operations(Store):
         q.bytes += len(body)
         if q.indexed:
             self._count_body(txn, q, body, 1)
-        self._rewind(q, key)
+        if self.keyed_by_body:  # an offset-keyed append never sorts before the hint
+            self._rewind(q, key, offset)
         q.head_added(key, message.created)
         return True
 
@@ -105,7 +111,8 @@ class Operations(Store):
         key, value = rec
         message = read_message(value)
         message.deliveries += 1
-        self._touch(q)
+        if q.name not in self._touched:
+            self._touch(q)
         if lease is None:
             self._delete_record(txn, q, key, message.body)
         else:
@@ -115,7 +122,7 @@ class Operations(Store):
             self.cat.put(lease_key, lease_record(lease, key[len(q.mpre) :]), txn)
             q.open += 1
             message.receipt = Receipt(q.name, q.qid, offset, lease.token)
-        self._advance(q, key)
+        self._advance(q, key, message.offset)
         return message
 
     def take(self, txn: Any, name: str, arg: None) -> Message | None:
@@ -178,7 +185,7 @@ class Operations(Store):
         q.bytes += len(body)
         if q.indexed:
             self._count_body(txn, q, body, 1)
-        self._rewind(q, key)
+        self._rewind(q, key, message.offset)
         q.head_added(key, message.created)
         return True
 

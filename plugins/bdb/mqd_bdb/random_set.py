@@ -81,14 +81,14 @@ class RandomStore(Leases):
                 return rec
         return None
 
-    def _advance(self, q: QueueState, key: bytes) -> None:
+    def _advance(self, q: QueueState, key: bytes, offset: int) -> None:
         q.hint_key = key + b"\x00"  # the least key after this one
 
-    def _rewind(self, q: QueueState, key: bytes) -> None:
+    def _rewind(self, q: QueueState, key: bytes, offset: int) -> None:
         if key < q.hint_key:
             q.hint_key = key
 
-    def _duplicate(self, txn: Any, q: QueueState, body: bytes, unique: bool) -> bool:
+    def _duplicate(self, txn: Any, q: QueueState, body: bytes) -> bool:
         return bool(self.cat.exists(q.mpre + digest(body), txn))
 
     def _contains(self, txn: Any, q: QueueState, body: bytes) -> bool:

@@ -52,6 +52,7 @@ INDEXED = 1  # META flag: the queue's copies of each body are counted
 REC = struct.Struct(">BQIddIH")
 REC_CREATED = 21  # where `created` sits in REC
 REC_ORIGIN = REC.size - 2  # where the origin's length sits
+REC_BODY = REC.size  # where the origin, then the body, start
 WAITING = 0
 RESERVED = 1
 #: A lease: deadline, token, length of the message key suffix.
@@ -65,20 +66,30 @@ def digest(body: bytes) -> bytes:
 
 def message_record(marker: int, message: Message) -> bytes:
     """The record of `message` (its offset set) in state `marker`."""
-    origin = name_bytes(message.origin) if message.origin else b""
-    return (
-        REC.pack(
-            marker,
-            message.offset,
-            message.flags,
-            message.expires,
-            message.created,
-            message.deliveries,
-            len(origin),
+    if not message.origin:
+        return (
+            REC.pack(
+                marker,
+                message.offset,
+                message.flags,
+                message.expires,
+                message.created,
+                message.deliveries,
+                0,
+            )
+            + message.body
         )
-        + origin
-        + message.body
+    origin = name_bytes(message.origin)
+    head = REC.pack(
+        marker,
+        message.offset,
+        message.flags,
+        message.expires,
+        message.created,
+        message.deliveries,
+        len(origin),
     )
+    return head + origin + message.body
 
 
 def body_of(value: bytes) -> bytes:
@@ -89,8 +100,10 @@ def body_of(value: bytes) -> bytes:
 def read_message(value: bytes) -> Message:
     """The message a record holds."""
     _, offset, flags, expires, created, deliveries, size = REC.unpack_from(value)
-    start = REC.size + size
-    origin = name_text(value[REC.size : start]) if size else ""
+    if not size:
+        return Message(value[REC_BODY:], flags, expires, created, offset, deliveries)
+    start = REC_BODY + size
+    origin = name_text(value[REC_BODY:start])
     return Message(value[start:], flags, expires, created, offset, deliveries, origin=origin)
 
 

@@ -140,16 +140,16 @@ class Store(Catalog):
         """The record of the waiting message at `offset`; None if no message waits there."""
         raise NotImplementedError("Store._waiting_at")
 
-    def _advance(self, q: QueueState, key: bytes) -> None:
+    def _advance(self, q: QueueState, key: bytes, offset: int) -> None:
         """The waiting message at `key` was handed out: start the next search after it."""
         raise NotImplementedError("Store._advance")
 
-    def _rewind(self, q: QueueState, key: bytes) -> None:
+    def _rewind(self, q: QueueState, key: bytes, offset: int) -> None:
         """A message at `key` waits (again): let the next search find it."""
         raise NotImplementedError("Store._rewind")
 
-    def _duplicate(self, txn: Any, q: QueueState, body: bytes, unique: bool) -> bool:
-        """Whether a put of `body` must store nothing because the body is there."""
+    def _duplicate(self, txn: Any, q: QueueState, body: bytes) -> bool:
+        """Whether `body` is in `q` (asked before a unique or a limited put)."""
         raise NotImplementedError("Store._duplicate")
 
     def _contains(self, txn: Any, q: QueueState, body: bytes) -> bool:
