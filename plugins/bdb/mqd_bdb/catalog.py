@@ -102,32 +102,12 @@ class QueueState:
         )
 
     def state(self) -> tuple[Any, ...]:
-        return (
-            self.next_offset,
-            self.items,
-            self.bytes,
-            self.open,
-            self.head_created,
-            self.head_key,
-            self.head_dirty,
-            self.hint,
-            self.hint_key,
-            self.indexed,
-        )
+        """What a batch may change, to set back should its transaction abort."""
+        return tuple(getattr(self, field) for field in _CHANGING)
 
     def set_state(self, state: tuple[Any, ...]) -> None:
-        (
-            self.next_offset,
-            self.items,
-            self.bytes,
-            self.open,
-            self.head_created,
-            self.head_key,
-            self.head_dirty,
-            self.hint,
-            self.hint_key,
-            self.indexed,
-        ) = state
+        for field, value in zip(_CHANGING, state, strict=True):
+            setattr(self, field, value)
 
     def set_head(self, rec: tuple[bytes, bytes] | None) -> None:
         """The head is `rec` (None: the queue is empty)."""
@@ -152,6 +132,20 @@ class QueueState:
         elif key < self.head_key:
             self.head_key, self.head_created = key, created
 
+
+#: The fields of a QueueState that a batch changes.
+_CHANGING = (
+    "next_offset",
+    "items",
+    "bytes",
+    "open",
+    "head_created",
+    "head_key",
+    "head_dirty",
+    "hint",
+    "hint_key",
+    "indexed",
+)
 
 #: A queue before a batch first changed it, and whether it existed then.
 Snapshot = tuple[QueueState, bool, tuple[Any, ...]]

@@ -13,7 +13,7 @@ from typing import Any
 from mqd.backend import Message
 from mqd_bdb.catalog import QueueState
 from mqd_bdb.index import BodyIndex
-from mqd_bdb.records import U64, WAITING, body_of, read_message
+from mqd_bdb.records import U64, WAITING, body_of, first_waiting, read_message
 
 
 class FifoStore(BodyIndex):
@@ -29,17 +29,11 @@ class FifoStore(BodyIndex):
         value = q.mdb.get(key, None, txn)
         if value is not None and value[0] == WAITING:
             return key, value
-        prefix = q.mpre
         cur = q.mdb.cursor(txn)
         try:
-            rec = cur.set_range(key)
-            while rec is not None and rec[0].startswith(prefix):
-                if rec[1][0] == WAITING:
-                    return rec  # type: ignore[no-any-return]
-                rec = cur.next()
+            return first_waiting(cur, key, q.mpre)
         finally:
             cur.close()
-        return None
 
     def _oldest_waiting(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:
         return self._first_waiting(txn, q)

@@ -13,7 +13,7 @@ from typing import Any
 
 from mqd_bdb.catalog import QueueState
 from mqd_bdb.leases import Leases
-from mqd_bdb.records import CAT_RESERVED, MSG, WAITING, digest, offset_of
+from mqd_bdb.records import CAT_RESERVED, MSG, WAITING, digest, first_waiting, offset_of
 
 
 class RandomStore(Leases):
@@ -35,17 +35,11 @@ class RandomStore(Leases):
         return q.mpre + digest(body)
 
     def _first_waiting(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:
-        prefix = q.mpre
         cur = self.cat.cursor(txn)
         try:
-            rec = cur.set_range(q.hint_key)
-            while rec is not None and rec[0].startswith(prefix):
-                if rec[1][0] == WAITING:
-                    return rec  # type: ignore[no-any-return]
-                rec = cur.next()
+            return first_waiting(cur, q.hint_key, q.mpre)
         finally:
             cur.close()
-        return None
 
     def _oldest_waiting(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:
         # Not indexed by age: read through the queue (only a full queue with

@@ -66,20 +66,7 @@ def digest(body: bytes) -> bytes:
 
 def message_record(marker: int, message: Message) -> bytes:
     """The record of `message` (its offset set) in state `marker`."""
-    if not message.origin:
-        return (
-            REC.pack(
-                marker,
-                message.offset,
-                message.flags,
-                message.expires,
-                message.created,
-                message.deliveries,
-                0,
-            )
-            + message.body
-        )
-    origin = name_bytes(message.origin)
+    origin = name_bytes(message.origin) if message.origin else b""
     head = REC.pack(
         marker,
         message.offset,
@@ -89,7 +76,7 @@ def message_record(marker: int, message: Message) -> bytes:
         message.deliveries,
         len(origin),
     )
-    return head + origin + message.body
+    return head + origin + message.body if origin else head + message.body
 
 
 def body_of(value: bytes) -> bytes:
@@ -131,6 +118,16 @@ def read_lease(value: bytes) -> tuple[Lease, bytes]:
     deadline, token, size = LEASE.unpack_from(value)
     end = LEASE.size + size
     return Lease(name_text(value[end:]), deadline, token), value[LEASE.size : end]
+
+
+def first_waiting(cur: Any, start: bytes, prefix: bytes) -> tuple[bytes, bytes] | None:
+    """Move `cur` to the first waiting message at or after `start` under `prefix`."""
+    rec = cur.set_range(start)
+    while rec is not None and rec[0].startswith(prefix):
+        if rec[1][0] == WAITING:
+            return rec  # type: ignore[no-any-return]
+        rec = cur.next()
+    return None
 
 
 def delete_range(handle: Any, txn: Any, prefix: bytes, limit: int) -> int:
