@@ -170,6 +170,9 @@ class StorageOptions:
 
 Wake = Callable[[str], None]
 
+#: A fanout child's limits, by the child's queue name.
+Fanout = Callable[[str], Limits]
+
 
 class Backend(abc.ABC):
     """Durable storage of queues of messages, and the queue state daemons share.
@@ -215,6 +218,7 @@ class Backend(abc.ABC):
         sync: Sync,
         unique: bool = False,
         limits: Limits = NO_LIMITS,
+        fanout: Fanout | None = None,
     ) -> Put:
         """Append `message` to `queue`, creating the queue; set `message.offset`.
 
@@ -226,6 +230,12 @@ class Backend(abc.ABC):
         dropped if `limits.drop_oldest` (and Put.FULL is returned only when
         open messages alone fill it), otherwise nothing is stored and the
         result is Put.FULL. A body larger than `limits.max_bytes` is FULL.
+
+        With `fanout`, a message stored in `queue` is also stored, in the same
+        atomic step (one group commit), in each of its fanout children that
+        exists: the queues named `<queue>+<child>`. Each copy is checked
+        against the limits `fanout(child)` gives, and a full child refuses or
+        drops for itself; the result speaks of `queue` alone.
         """
         raise NotImplementedError("Backend.put")
 
@@ -305,6 +315,29 @@ class Backend(abc.ABC):
         raise NotImplementedError("Backend.discard")
 
     # -- queues --------------------------------------------------------------
+
+    async def create(self, queue: str, *, sync: Sync) -> bool:
+        """Make `queue` exist, empty, if it does not: a fanout child comes into being so.
+
+        True when it was made now.
+        """
+        raise NotImplementedError("Backend.create")
+
+    async def redrive(self, dead: str, *, to: str | None, limit: int, sync: Sync) -> dict[str, int]:
+        """Move up to `limit` waiting messages out of the dead-letter queue `dead`, oldest first.
+
+        Each goes to `to`, or with `to` None to the queue it died in
+        (`origin`; a message with none stays), with its delivery count back at
+        0 and no origin. Each message moves exactly once, also when several
+        daemons redrive the same queue at once. Returns how many went where.
+        """
+        raise NotImplementedError("Backend.redrive")
+
+    async def expire_idle(self, queue: str, *, before: float, sync: Sync) -> bool:
+        """Delete `queue` if it is empty, has no open message, and no message was stored
+        or moved into it since `before` (Unix time), in one atomic step; True if deleted.
+        """
+        raise NotImplementedError("Backend.expire_idle")
 
     @abc.abstractmethod
     async def delete(self, queue: str, *, sync: Sync) -> bool:

@@ -44,6 +44,7 @@ from mqd.stats import Counters
 
 log = logging.getLogger(__name__)
 
+IDLE_SWEEP = 1.0  # seconds between looks for idle queues to expire
 QUEUE_STATES = 65536  # queues whose state is kept when idle (names are client-chosen)
 THIRTY_DAYS = 60 * 60 * 24 * 30  # memcached: larger exptimes are absolute Unix times
 
@@ -75,10 +76,20 @@ class Opened:
 class QueueState:
     """This daemon's view of one queue: settings, counters, waiting gets, open messages."""
 
-    __slots__ = ("dequeued", "enqueued", "expired", "limits", "opened", "settings", "waiters")
+    __slots__ = (
+        "dequeued",
+        "enqueued",
+        "expired",
+        "limits",
+        "opened",
+        "settings",
+        "used",
+        "waiters",
+    )
 
     def __init__(self, settings: QueueSettings) -> None:
         self.configure(settings)
+        self.used = time.monotonic()  # last command naming the queue, for idle expiry
         self.enqueued = 0
         self.dequeued = 0
         self.expired = 0
@@ -119,7 +130,7 @@ class Broker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._unique = Capability.UNIQUE in backend.capabilities
         self._shared = Capability.SHARED in backend.capabilities
-        self._reclaimer: asyncio.Task[None] | None = None
+        self._loops: list[asyncio.Task[None]] = []  # periodic work, cancelled at stop
         self._pending_flush: asyncio.TimerHandle | None = None
         self.stopping = False
 
@@ -137,7 +148,8 @@ class Broker:
         if returned:
             log.info("returned %d message(s) left open by the last run", len(returned))
         if self._shared:
-            self._reclaimer = asyncio.ensure_future(self._reclaim_periodically())
+            self._spawn_loop(self._reclaim_periodically())
+        self._spawn_loop(self._expire_idle_periodically())
 
     def begin_stop(self) -> None:
         """End every wait now: waiting gets answer with what they have."""
@@ -150,8 +162,8 @@ class Broker:
     async def stop(self) -> None:
         """Give back every open message, then close the backend."""
         self.begin_stop()
-        if self._reclaimer is not None:
-            self._reclaimer.cancel()
+        for loop in self._loops:
+            loop.cancel()
         if self._pending_flush is not None:
             self._pending_flush.cancel()
         for state in list(self._queues.values()):
@@ -194,6 +206,7 @@ class Broker:
         self.counters.cmd_set += 1
         queue = command.queue
         state = self._queues.get(queue) or self.state(queue)
+        state.used = time.monotonic()
         settings = state.settings
         unique = command.add or settings.unique
         if unique and not self._unique:
@@ -206,7 +219,12 @@ class Broker:
             return Put.STORED  # already expired: stored as nothing, as memcached does
         message = Message(command.body, command.flags, expires, now)
         result = await self.backend.put(
-            queue, message, sync=settings.sync, unique=unique, limits=state.limits
+            queue,
+            message,
+            sync=settings.sync,
+            unique=unique,
+            limits=state.limits,
+            fanout=self._child_limits,
         )
         if result is Put.STORED:
             state.enqueued += 1
@@ -299,6 +317,7 @@ class Broker:
 
     async def _serve(self, key: Key, session: Session, first: bool) -> Message | None:
         queue = key.queue
+        self.state(queue).used = time.monotonic()
         if first:
             # Acknowledgements and aborts happen once, not again after a wait.
             if key.close:
@@ -319,11 +338,19 @@ class Broker:
             return await self._open(queue, session)
         return await self._take(queue)
 
+    def _child_limits(self, child: str) -> Limits:
+        """A fanout child's limits: its own settings, by its own name."""
+        return self.state(child).limits
+
     async def _take(self, queue: str) -> Message | None:
         state = self._queues.get(queue) or self.state(queue)
+        state.used = time.monotonic()
         while True:
             message = await self.backend.take(queue, sync=state.settings.sync)
             if message is None:
+                if "+" in queue:
+                    # A fanout child comes into being the first time it is named.
+                    await self.backend.create(queue, sync=state.settings.sync)
                 return None
             if _expired(message):
                 state.expired += 1
@@ -436,6 +463,9 @@ class Broker:
                 await self.reclaim()
             except Exception:
                 log.exception("reclaiming expired leases failed; trying again later")
+
+    def _spawn_loop(self, coro: Coroutine[Any, Any, None]) -> None:
+        self._loops.append(asyncio.ensure_future(coro))
 
     def _timed_out(self, opened: Opened) -> None:
         self._spawn(self._give_back(opened))
@@ -561,6 +591,42 @@ class Broker:
         """Remove the waiting messages with this body; how many."""
         self._need_unique("discard")
         return await self.backend.discard(queue, body, sync=self.settings(queue).sync)
+
+    async def redrive(self, dead: str, limit: int, to: str | None = None) -> int:
+        """Move up to `limit` dead letters back (to `to`, or where each died); how many."""
+        settings = self.settings(dead)
+        moved = await self.backend.redrive(dead, to=to, limit=limit, sync=settings.sync)
+        for queue, count in moved.items():
+            self.state(queue).enqueued += count
+            self._wake_queue(queue)
+        if moved:
+            log.info("redrove %d message(s) out of %r", sum(moved.values()), dead)
+        return sum(moved.values())
+
+    async def expire_idle(self) -> list[str]:
+        """Delete the queues whose `idle_expiry` has passed with nothing in or done to them."""
+        if not self.config.idle_expiry_used:
+            return []
+        now, wall = time.monotonic(), time.time()
+        expired = []
+        for queue in await self.backend.queues():
+            state = self.state(queue)
+            idle = state.settings.idle_expiry
+            if not idle or state.used > now - idle or not state.idle():
+                continue
+            if await self.backend.expire_idle(queue, before=wall - idle, sync=state.settings.sync):
+                expired.append(queue)
+                del self._queues[queue]
+                log.info("queue %r expired after %g s idle", queue, idle)
+        return expired
+
+    async def _expire_idle_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(IDLE_SWEEP)
+            try:
+                await self.expire_idle()
+            except Exception:
+                log.exception("expiring idle queues failed; trying again later")
 
     # -- introspection -----------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The `mqd` command line: serve, check-config, backends, stats, version."""
+"""The `mqd` command line: serve, check-config, backends, stats, redrive, version."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from mqd import __version__
 from mqd import backend as backends
 from mqd import config as configuration
 from mqd.errors import MqdError
-from mqd.protocol import QUEUE_STATS
+from mqd.protocol import QUEUE_STATS, name_bytes, queue_name
 
 config_option = click.option(
     "--config",
@@ -169,6 +169,49 @@ def _text(value: object) -> str:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     return str(value)
+
+
+REDRIVE_BATCH = 500  # messages per round trip: progress stays live on a large queue
+
+
+@main.command()
+@click.argument("dead_letters")
+@click.option("--to", "to", default=None, help="Queue to move them to.  [default: where each died]")
+@click.option("--max", "most", type=click.IntRange(min=1), default=None, help="Move at most N.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Daemon address.")
+@click.option("--port", default=22133, show_default=True, help="Daemon port.")
+def redrive(dead_letters: str, to: str | None, most: int | None, host: str, port: int) -> None:
+    """Move messages out of a dead-letter queue, back where they died (or --to a queue)."""
+    from pymemcache.client.base import Client
+    from pymemcache.exceptions import MemcacheError
+    from rich.progress import Progress
+
+    for name in (dead_letters, to):
+        if name is not None and queue_name(name_bytes(name)) is None:
+            raise click.BadParameter(f"{name!r} is not a queue name")
+    try:
+        client = Client((host, port), connect_timeout=5, timeout=30)
+        items = client.stats("queues").get(f"queue_{dead_letters}_items".encode(), b"0")
+        wanted = min(int(items), most) if most else int(items)
+        moved = 0
+        with Progress(transient=True) as progress:
+            task = progress.add_task(f"redrive {dead_letters}", total=wanted)
+            while most is None or moved < most:
+                batch = min(REDRIVE_BATCH, most - moved) if most else REDRIVE_BATCH
+                line = b"redrive %b %d" % (name_bytes(dead_letters), batch)
+                reply = client.raw_command(line + (b" " + name_bytes(to) if to else b""))
+                if not reply.startswith(b"MOVED "):
+                    raise click.ClickException(f"{host}:{port}: {reply.decode(errors='replace')}")
+                count = int(reply.split()[1])
+                moved += count
+                progress.update(task, completed=moved)
+                if count < batch:
+                    break
+        client.close()
+    except (OSError, MemcacheError) as error:
+        raise click.ClickException(f"{host}:{port}: {error}") from None
+    where = to or "the queues they died in"
+    click.echo(f"moved {moved} message(s) from {dead_letters} to {where}")
 
 
 @main.command()

@@ -39,6 +39,7 @@ class QueueSettings:
     max_deliveries: int = 0  # 0: unlimited
     dead_letter: str = ""  # "": "<queue>_dead"
     sync: Sync = Sync.ALWAYS
+    idle_expiry: float = 0.0  # seconds an empty, unused queue lives on; 0: for ever
 
     def dead_letter_for(self, queue: str) -> str:
         return self.dead_letter or f"{queue}_dead"
@@ -71,6 +72,11 @@ class Config:
     backend_tables: dict[str, dict[str, Any]] = field(default_factory=dict)
     # [queues."<glob>"], in file order; later matches override earlier ones
     queues: tuple[tuple[str, dict[str, Any]], ...] = ()
+
+    @property
+    def idle_expiry_used(self) -> bool:
+        """Whether any queue may expire when idle: only then is there anything to sweep."""
+        return any(values.get("idle_expiry") for _, values in self.queues)
 
     def queue_settings(self, queue: str) -> QueueSettings:
         """The settings of `queue`: defaults overlaid by every matching table in order."""
@@ -216,6 +222,7 @@ _QUEUE_KEYS: dict[str, str] = {
     "max_deliveries": "count",
     "dead_letter": "string",
     "sync": "sync",
+    "idle_expiry": "number",
 }
 
 

@@ -44,7 +44,7 @@ TOO_LARGE = "object too large for cache"
 UNSUPPORTED_STORAGE = frozenset({b"replace", b"append", b"prepend", b"cas"})
 UNSUPPORTED_OTHER = frozenset({b"incr", b"decr", b"touch", b"gat", b"gats"})
 
-_BAD_NAME_BYTE = re.compile(rb"[\x00-\x20\x7f/+]")
+_BAD_NAME_BYTE = re.compile(rb"[\x00-\x20\x7f/]")
 
 
 def name_bytes(name: str) -> bytes:
@@ -108,6 +108,15 @@ class FlushAll:
 
 
 @dataclass(frozen=True, slots=True)
+class Redrive:
+    """mqd's `redrive <dead> <max> [<to>]`: dead letters back where they died, or to `to`."""
+
+    dead: str
+    limit: int
+    to: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class Stats:
     args: tuple[bytes, ...]
 
@@ -153,7 +162,17 @@ class Failed:
 
 
 Command = (
-    Store | Retrieve | Delete | FlushAll | Stats | Version | Verbosity | Quit | Shutdown | Failed
+    Store
+    | Retrieve
+    | Delete
+    | FlushAll
+    | Redrive
+    | Stats
+    | Version
+    | Verbosity
+    | Quit
+    | Shutdown
+    | Failed
 )
 
 
@@ -182,9 +201,16 @@ def _signed(token: bytes) -> int | None:
 
 
 def queue_name(raw: bytes) -> str | None:
-    """The queue name `raw` names, or None if the protocol does not allow it."""
+    """The queue name `raw` names, or None if the protocol does not allow it.
+
+    One `+` may join a fanout child's name to its parent's (`jobs+audit`).
+    """
     if not 0 < len(raw) <= MAX_NAME or _BAD_NAME_BYTE.search(raw):
         return None
+    if b"+" in raw:
+        parent, _, child = raw.partition(b"+")
+        if not parent or not child or b"+" in child:
+            return None
     return name_text(raw)
 
 
@@ -443,6 +469,16 @@ class Parser:
             return _bad(noreply)
         return FlushAll(delay, noreply)
 
+    def _redrive(self, tokens: list[bytes]) -> Command:
+        if len(tokens) not in (3, 4):
+            return _bad()
+        dead = self._name(tokens[1])
+        limit = _unsigned(tokens[2], MAX_BYTES_FIELD)
+        to = self._name(tokens[3]) if len(tokens) == 4 else None
+        if dead is None or not limit or (len(tokens) == 4 and to is None):
+            return _bad()
+        return Redrive(dead, limit, to)
+
     def _stats(self, tokens: list[bytes]) -> Command:
         return Stats(tuple(tokens[1:]))
 
@@ -474,6 +510,7 @@ _HANDLERS: dict[bytes, Callable[[Parser, list[bytes]], Command | None]] = {
     b"gets": Parser._retrieve,
     b"delete": Parser._delete,
     b"flush_all": Parser._flush_all,
+    b"redrive": Parser._redrive,
     b"stats": Parser._stats,
     b"version": Parser._version,
     b"verbosity": Parser._verbosity,
@@ -514,6 +551,11 @@ def values_reply(hits: list[tuple[Key, Message]], with_ids: bool) -> bytes:
     out = [value(k.raw, m.flags, m.body, m.offset if with_ids else None) for k, m in hits]
     out.append(REPLY["end"])
     return b"".join(out)
+
+
+def moved_reply(count: int) -> bytes:
+    """The reply to `redrive`: how many messages moved."""
+    return b"MOVED %d\r\n" % count
 
 
 def stats_reply(figures: list[tuple[str, object]]) -> bytes:

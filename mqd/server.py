@@ -30,6 +30,7 @@ from mqd.protocol import (
     Failed,
     FlushAll,
     Quit,
+    Redrive,
     Retrieve,
     Shutdown,
     Stats,
@@ -205,6 +206,10 @@ class Connection(asyncio.Protocol):
             await self.broker.flush_all()
         return None if command.noreply else REPLY["ok"]
 
+    async def _redrive(self, command: Redrive) -> bytes:
+        moved = await self.broker.redrive(command.dead, command.limit, command.to)
+        return protocol.moved_reply(moved)
+
     async def _stats(self, command: Stats) -> bytes:
         if command.args == (b"reset",):
             self.broker.reset_stats()
@@ -242,6 +247,7 @@ _Handler = Callable[[Connection, Any], Awaitable[bytes | None]]
 _DISPATCH: dict[type, _Handler] = {
     Delete: Connection._delete,
     FlushAll: Connection._flush_all,
+    Redrive: Connection._redrive,
     Stats: Connection._stats,
     Version: Connection._version,
     Verbosity: Connection._verbosity,

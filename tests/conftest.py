@@ -44,6 +44,10 @@ unique = true
 
 [queues."small.*"]
 max_item_size = 10
+[queues."idle.*"]
+idle_expiry = 0.5
+[queues."fan*+full"]
+max_items = 1
 """
 
 

@@ -16,6 +16,7 @@ from mqd.backend import (
     NO_LIMITS,
     Backend,
     Capability,
+    Fanout,
     Lease,
     Limits,
     Message,
@@ -32,10 +33,20 @@ from mqd.config import TableReader
 
 
 class _Queue:
-    __slots__ = ("bodies", "bytes", "incarnation", "leases", "next_offset", "reserved", "waiting")
+    __slots__ = (
+        "bodies",
+        "bytes",
+        "incarnation",
+        "leases",
+        "next_offset",
+        "reserved",
+        "touched",
+        "waiting",
+    )
 
     def __init__(self, incarnation: int) -> None:
         self.incarnation = incarnation
+        self.touched = time.time()  # last change, for idle expiry
         self.waiting: deque[Message] = deque()  # sorted by offset
         self.reserved: dict[int, Message] = {}
         self.leases: dict[int, Lease] = {}  # by offset, for every reserved message
@@ -111,13 +122,28 @@ class _Store:
 
     def __init__(self) -> None:
         self.queues: dict[str, _Queue] = {}
+        self.children: dict[str, set[str]] = {}  # fanout parent -> its existing children
         self.incarnations = 0
         self.handles: list[MemoryBackend] = []
 
     def create(self, name: str) -> _Queue:
         self.incarnations += 1
         q = self.queues[name] = _Queue(self.incarnations)
+        parent, plus, _ = name.partition("+")
+        if plus:
+            self.children.setdefault(parent, set()).add(name)
         return q
+
+    def delete(self, name: str) -> bool:
+        if self.queues.pop(name, None) is None:
+            return False
+        parent, plus, _ = name.partition("+")
+        kids = self.children.get(parent) if plus else None
+        if kids is not None:
+            kids.discard(name)
+            if not kids:
+                del self.children[parent]
+        return True
 
     def arrived(self, queue: str, by: MemoryBackend) -> None:
         """Wake every other handle's waiters: a message may be in `queue` now."""
@@ -175,6 +201,7 @@ class MemoryBackend(Backend):
         sync: Sync,
         unique: bool = False,
         limits: Limits = NO_LIMITS,
+        fanout: Fanout | None = None,
     ) -> Put:
         q = self._queues.get(queue)
         if q is None:
@@ -184,9 +211,23 @@ class MemoryBackend(Backend):
         if limits and not q.make_room(limits, len(message.body)):
             return Put.FULL
         q.append(message)
+        q.touched = message.created or time.time()
         if len(self._store.handles) > 1:
             self._store.arrived(queue, self)
+        if fanout is not None and queue in self._store.children:
+            for child in self._store.children[queue]:
+                self._copy(child, message, fanout(child))
         return Put.STORED
+
+    def _copy(self, child: str, message: Message, limits: Limits) -> None:
+        """A fanout child's own copy of a message stored in its parent."""
+        q = self._queues[child]
+        if limits and not q.make_room(limits, len(message.body)):
+            return
+        q.append(Message(message.body, message.flags, message.expires, message.created))
+        q.touched = message.created or time.time()
+        if len(self._store.handles) > 1:
+            self._store.arrived(child, self)
 
     async def take(self, queue: str, *, sync: Sync) -> Message | None:
         q = self._queues.get(queue)
@@ -232,6 +273,7 @@ class MemoryBackend(Backend):
             dead = self._queues.get(to) or self._store.create(to)
             message.origin = queue
             dead.append(message)
+            dead.touched = q.touched = time.time()
             arrived = to
         if len(self._store.handles) > 1:
             self._store.arrived(arrived, self)
@@ -307,11 +349,50 @@ class MemoryBackend(Backend):
         q.waiting = kept
         return removed
 
+    async def create(self, queue: str, *, sync: Sync) -> bool:
+        if queue in self._queues:
+            return False
+        self._store.create(queue)
+        return True
+
+    async def redrive(self, dead: str, *, to: str | None, limit: int, sync: Sync) -> dict[str, int]:
+        q = self._queues.get(dead)
+        moved: dict[str, int] = {}
+        if q is None:
+            return moved
+        kept: deque[Message] = deque()
+        while q.waiting and sum(moved.values()) < limit:
+            message = q.waiting.popleft()
+            target = to or message.origin
+            if not target:
+                kept.append(message)  # nowhere to go back to: it stays
+                continue
+            q.forget(message)
+            message.deliveries, message.origin, message.receipt = 0, "", None
+            dest = self._queues.get(target) or self._store.create(target)
+            dest.append(message)
+            dest.touched = time.time()
+            moved[target] = moved.get(target, 0) + 1
+        kept.extend(q.waiting)
+        q.waiting = kept
+        q.touched = time.time()
+        if len(self._store.handles) > 1:
+            for target in moved:
+                self._store.arrived(target, self)
+        return moved
+
+    async def expire_idle(self, queue: str, *, before: float, sync: Sync) -> bool:
+        q = self._queues.get(queue)
+        if q is None or q.waiting or q.reserved or q.touched >= before:
+            return False
+        return self._store.delete(queue)
+
     async def delete(self, queue: str, *, sync: Sync) -> bool:
-        return self._queues.pop(queue, None) is not None
+        return self._store.delete(queue)
 
     async def flush_all(self, *, sync: Sync) -> None:
         self._queues.clear()
+        self._store.children.clear()
 
     async def queues(self) -> list[str]:
         return list(self._queues)

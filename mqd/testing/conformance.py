@@ -18,6 +18,7 @@ pytest plugin is needed.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -417,6 +418,95 @@ class BackendConformance:
                 await b.put("q", Message(f"{i}".encode()), sync=ALWAYS, limits=limits)
                 await self.reserve(b, "q")
             assert await b.put("q", Message(b"x"), sync=ALWAYS, limits=limits) is Put.FULL
+
+        self.session(data_dir, body)
+
+    # -- fanout, redrive, idle expiry -----------------------------------------
+
+    def test_fanout_copies_to_existing_children(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            def limits(child: str) -> Limits:
+                return Limits(max_items=2) if child == "q+small" else Limits()
+
+            async def fan(text: bytes) -> Put:
+                return await b.put("q", Message(text), sync=ALWAYS, fanout=limits)
+
+            await fan(b"before")
+            for child in ("q+a", "q+b", "q+small"):
+                assert await b.create(child, sync=ALWAYS) is True
+            assert await b.create("q+a", sync=ALWAYS) is False
+            for i in range(3):
+                assert await fan(f"m{i}".encode()) is Put.STORED
+            # A plain put (no fanout) and a put straight into a child stay where they are.
+            await self.put(b, "q", b"alone")
+            await self.put(b, "q+a", b"own")
+            drained = {}
+            for name in ("q", "q+a", "q+b", "q+small"):
+                got = []
+                while (m := await b.take(name, sync=ALWAYS)) is not None:
+                    got.append(m.body)
+                drained[name] = got if self.fifo(b) else sorted(got)
+            expect = [b"m0", b"m1", b"m2"]
+            order = (lambda x: x) if self.fifo(b) else sorted
+            assert drained["q"] == order([b"before", *expect, b"alone"])
+            assert drained["q+a"] == order([*expect, b"own"])
+            assert drained["q+b"] == order(expect)
+            assert len(drained["q+small"]) == 2  # full: refused for itself only
+            # Deleting the parent leaves its children; a deleted child stops receiving.
+            assert await b.delete("q", sync=ALWAYS) is True
+            assert await b.delete("q+b", sync=ALWAYS) is True
+            await fan(b"after")
+            assert [m.body for m in [await b.take("q+a", sync=ALWAYS)] if m] == [b"after"]
+            assert await b.take("q+b", sync=ALWAYS) is None
+
+        self.session(data_dir, body)
+
+    def test_redrive_moves_back_where_they_died(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            for queue in ("a", "b"):
+                await self.put(b, queue, queue.encode())
+                r = await self.reserve(b, queue)
+                assert r.receipt is not None
+                assert await b.release(r.receipt, sync=ALWAYS, to="dead") is True
+            await self.put(b, "dead", b"no-origin")
+            assert await b.redrive("dead", to=None, limit=10, sync=ALWAYS) == {"a": 1, "b": 1}
+            for queue in ("a", "b"):
+                m = await b.take(queue, sync=ALWAYS)
+                assert m is not None and m.body == queue.encode()
+                assert (m.deliveries, m.origin) == (1, "")  # counted afresh from 0
+            # One without an origin goes only where it is sent.
+            assert await b.redrive("dead", to=None, limit=10, sync=ALWAYS) == {}
+            assert await b.redrive("dead", to="c", limit=10, sync=ALWAYS) == {"c": 1}
+            assert await b.redrive("nope", to="c", limit=10, sync=ALWAYS) == {}
+
+        self.session(data_dir, body)
+
+    def test_redrive_limit(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            for i in range(5):
+                await self.put(b, "dead", f"{i}".encode())
+            assert await b.redrive("dead", to="q", limit=3, sync=ALWAYS) == {"q": 3}
+            size = await b.size("dead")
+            assert size is not None and size.items == 2
+
+        self.session(data_dir, body)
+
+    def test_expire_idle(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            await self.put(b, "empty", b"x")
+            await b.take("empty", sync=ALWAYS)
+            await self.put(b, "full", b"x")
+            await self.put(b, "open", b"x")
+            await self.reserve(b, "open")
+            await asyncio.sleep(0.05)
+            cutoff = time.time()
+            await self.put(b, "fresh", b"x")
+            await b.take("fresh", sync=ALWAYS)
+            assert await b.expire_idle("empty", before=cutoff, sync=ALWAYS) is True
+            assert await b.size("empty") is None
+            for name in ("full", "open", "fresh", "nope"):
+                assert await b.expire_idle(name, before=cutoff, sync=ALWAYS) is False
+            assert sorted(await b.queues()) == ["fresh", "full", "open"]
 
         self.session(data_dir, body)
 

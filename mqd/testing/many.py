@@ -233,3 +233,53 @@ class ManyDaemonConformance:
             assert sum(moved) <= count  # the periodic reclaim may have taken some
 
         self.run(data_dir, body, max_deliveries=1, visibility_timeout=30)
+
+    def test_fanout_child_made_on_one_daemon_gets_sets_on_another(self, data_dir: Path) -> None:
+        async def body(brokers: list[Broker]) -> None:
+            a, b = brokers[0], brokers[1]
+            await a.store(store_command("q", b"before"))
+            assert await b.retrieve(get_command("q+audit"), Session()) == []  # made here
+            for text in (b"1", b"2"):
+                await a.store(store_command("q", text))
+            got = [
+                m.body for _, m in await b.retrieve(get_command("q+audit", "q+audit"), Session())
+            ]
+            assert got == [b"1", b"2"]
+            session = Session()
+            hits = await b.retrieve(get_command("q+audit/open"), session)
+            assert hits == []
+            await a.store(store_command("q", b"3"))
+            hits = await b.retrieve(get_command("q+audit/open"), session)
+            assert [m.body for _, m in hits] == [b"3"]
+            # Open/close on the child does not touch the parent.
+            await b.retrieve(get_command("q+audit/close"), session)
+            parent = await a.size("q")
+            assert parent is not None and (parent.items, parent.open) == (4, 0)
+
+        self.run(data_dir, body)
+
+    def test_two_redrives_at_once_move_each_dead_letter_once(self, data_dir: Path) -> None:
+        count = 1000
+
+        async def body(brokers: list[Broker]) -> None:
+            a = brokers[0]
+            backend = a.backend
+            sync = a.settings("q").sync
+            for i in range(count):
+                await a.store(store_command("q", f"{i}".encode()))
+                m = await backend.reserve("q", lease=0, sync=sync)
+                assert m is not None and m.receipt is not None
+                assert await backend.release(m.receipt, sync=sync, to="q_dead")
+            moved = await asyncio.gather(
+                *(b.redrive("q_dead", 100) for b in brokers[1:] for _ in range(10))
+            )
+            assert sum(moved) == count
+            dead = await a.size("q_dead")
+            assert dead is not None and dead.items == 0
+            got: Counter[bytes] = Counter()
+            while hits := await a.retrieve(get_command("q"), Session()):
+                assert hits[0][1].deliveries == 1
+                got[hits[0][1].body] += 1
+            assert got == Counter(f"{i}".encode() for i in range(count))
+
+        self.run(data_dir, body)

@@ -65,12 +65,16 @@ def test_options() -> None:
         b"jobs//open",
         b"jobs/bogus",
         b"/open",
-        b"a+b",
+        b"a+b+c",
+        b"+b",
+        b"a+",
+        b"a+/open",
         b"a\x01b",
         b"x" * 251,
     ):
         assert parse_key(bad) is None, bad
     assert parse_key(b"x" * 250 + b"/open") is not None
+    assert parse_key(b"jobs+audit/open") == Key(b"jobs+audit/open", "jobs+audit", open=True)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,100 @@
+"""Fanout children, dead-letter redrive and idle-queue expiry, through a real daemon."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from conftest import Raw, store, value
+from pymemcache.client.base import Client
+
+from mqd.testing.daemon import Daemon
+
+
+def test_children_get_every_later_message(daemon: Daemon, raw: Raw, q: str) -> None:
+    store(raw, q, b"before")
+    mc = Client(daemon.address)
+    assert mc.get(f"{q}+audit") is None  # the child comes into being here
+    assert mc.get(f"{q}+billing") is None
+    for text in (b"one", b"two"):
+        store(raw, q, text)
+    assert [mc.get(f"{q}+audit"), mc.get(f"{q}+audit")] == [b"one", b"two"]
+    assert [mc.get(f"{q}+billing"), mc.get(f"{q}+billing")] == [b"one", b"two"]
+    assert [mc.get(q) for _ in range(3)] == [b"before", b"one", b"two"]
+    queues = mc.stats("queues")
+    assert f"queue_{q}+audit_items".encode() in queues
+    # Deleting the parent leaves its children; a deleted child stops receiving.
+    raw.call(b"delete %b\r\n" % q.encode(), b"DELETED\r\n")
+    raw.call(b"delete %b+billing\r\n" % q.encode(), b"DELETED\r\n")
+    store(raw, q, b"three")
+    assert mc.get(f"{q}+audit") == b"three"
+    assert mc.get(f"{q}+billing") is None
+    mc.close()
+
+
+def test_a_full_child_refuses_for_itself(raw: Raw) -> None:
+    parent = "fan" + str(time.monotonic_ns())
+    raw.call(b"get %b+full\r\n" % parent.encode(), b"END\r\n")
+    store(raw, parent, b"1")
+    store(raw, parent, b"2")  # the child holds one: the parent still says STORED
+    raw.call(b"get %b+full\r\n" % parent.encode(), value(parent + "+full", b"1") + b"END\r\n")
+    raw.call(b"get %b+full\r\n" % parent.encode(), b"END\r\n")
+
+
+def test_redrive_command_and_cli(daemon: Daemon, raw: Raw) -> None:
+    # dlx.* queues dead-letter after one delivery into "graveyard".
+    queue = "dlx." + str(time.monotonic_ns())
+    count = 1000
+    raw.send(b"".join(b"set %b 0 0 4\r\n%04d\r\n" % (queue.encode(), i) for i in range(count)))
+    assert raw.read(8 * count) == b"STORED\r\n" * count
+    for _ in range(count):
+        conn = Raw(daemon.address)
+        conn.send(b"get %b/open\r\n" % queue.encode())
+        conn.read_until(b"END\r\n")
+        conn.close()  # gone without closing: to the dead letters
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        raw.send(b"stats queues\r\n")
+        lines = raw.read_until(b"END\r\n")
+        if b"STAT queue_graveyard_items %d\r\n" % count in lines:
+            break
+        time.sleep(0.05)
+    raw.call(b"redrive graveyard 10\r\n", b"MOVED 10\r\n")
+    raw.call(b"redrive graveyard\r\n", b"CLIENT_ERROR bad command line format\r\n")
+    raw.call(b"redrive graveyard 0\r\n", b"CLIENT_ERROR bad command line format\r\n")
+    host, port = daemon.address
+    args = ["redrive", "graveyard", "--host", host, "--port", str(port)]
+    done = subprocess.run(
+        [sys.executable, "-m", "mqd", *args], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "moved 990 message(s) from graveyard" in done.stdout
+    bodies = []
+    for _ in range(count // 100):
+        raw.send(b"get " + b" ".join([queue.encode()] * 100) + b"\r\n")
+        reply = raw.read_until(b"END\r\n")
+        bodies += [line for line in reply.split(b"\r\n") if line[:1].isdigit()]
+    bodies.sort()
+    assert bodies == [b"%04d" % i for i in range(count)]
+    raw.call(b"redrive nothing-here 5 elsewhere\r\n", b"MOVED 0\r\n")
+
+
+def test_idle_queue_expires_but_not_one_with_an_open_message(daemon: Daemon, raw: Raw) -> None:
+    idle, held = "idle.a" + str(time.monotonic_ns()), "idle.b" + str(time.monotonic_ns())
+    for name in (idle, held):
+        store(raw, name, b"x")
+    raw.call(b"get %b\r\n" % idle.encode(), value(idle, b"x") + b"END\r\n")
+    holder = Raw(daemon.address)
+    holder.call(b"get %b/open\r\n" % held.encode(), value(held + "/open", b"x") + b"END\r\n")
+    deadline = time.monotonic() + 5
+    gone = False
+    while time.monotonic() < deadline and not gone:
+        time.sleep(0.2)
+        raw.send(b"stats queues\r\n")
+        lines = raw.read_until(b"END\r\n")
+        gone = f"queue_{idle}_items".encode() not in lines
+    assert gone
+    assert f"queue_{held}_items".encode() in lines
+    assert f"queue {idle!r} expired" in daemon.log()
+    holder.close()
