@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mqd.backend import (
     NO_LIMITS,
     Backend,
     Capability,
+    Fanout,
     Limits,
     Message,
     Put,
@@ -60,6 +62,8 @@ class _BdbBackend(Backend):
             options.extra, options.config_path, f"storage.{self.name}"
         )
         self._sizes: dict[str, QueueSize] = {}
+        # Fanout parent -> its existing children, as the published gauges tell.
+        self._children: dict[str, set[str]] = {}
         self._worker: Worker | None = None
         self._outbox: list[jobs.Job] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -83,7 +87,9 @@ class _BdbBackend(Backend):
             self._deliver,
             self.options.sync_interval_ms / 1000,
         )
-        self._sizes = await worker.start()
+        self._sizes = {}
+        self._children = {}
+        self._publish(await worker.start())
         self._loop = loop
         self._worker = worker
 
@@ -118,13 +124,25 @@ class _BdbBackend(Backend):
         if outbox and self._worker is not None:
             self._worker.submit(outbox)
 
-    def _deliver(self, results: list[jobs.Result], published: dict[str, QueueSize | None]) -> None:
-        sizes = self._sizes
+    def _publish(self, published: Mapping[str, QueueSize | None]) -> None:
+        """Take the worker's gauges: a queue's, or None for a queue that is gone."""
+        sizes, children = self._sizes, self._children
         for name, size in published.items():
             if size is None:
-                sizes.pop(name, None)
+                if sizes.pop(name, None) is not None and "+" in name:
+                    parent = name.partition("+")[0]
+                    kids = children.get(parent)
+                    if kids is not None:
+                        kids.discard(name)
+                        if not kids:
+                            del children[parent]
             else:
+                if "+" in name and name not in sizes:
+                    children.setdefault(name.partition("+")[0], set()).add(name)
                 sizes[name] = size
+
+    def _deliver(self, results: list[jobs.Result], published: dict[str, QueueSize | None]) -> None:
+        self._publish(published)
         for job, error, value in results:
             future = job[4]
             if future is None:
@@ -148,8 +166,14 @@ class _BdbBackend(Backend):
         sync: Sync,
         unique: bool = False,
         limits: Limits = NO_LIMITS,
+        fanout: Fanout | None = None,
     ) -> Put:
-        result: Put = await self._call(jobs.PUT, queue, (message, unique, limits), sync)
+        children = None
+        if fanout is not None and queue in self._children:
+            # `fanout` reads the daemon's settings: call it here, on the loop.
+            children = {child: fanout(child) for child in self._children[queue]}
+        arg = (message, unique, limits, children)
+        result: Put = await self._call(jobs.PUT, queue, arg, sync)
         return result
 
     async def take(self, queue: str, *, sync: Sync) -> Message | None:
@@ -210,6 +234,18 @@ class _BdbBackend(Backend):
 
     async def discard(self, queue: str, body: bytes, *, sync: Sync) -> int:
         result: int = await self._call(jobs.DISCARD, queue, body, sync)
+        return result
+
+    async def create(self, queue: str, *, sync: Sync) -> bool:
+        result: bool = await self._call(jobs.CREATE, queue, None, sync)
+        return result
+
+    async def redrive(self, dead: str, *, to: str | None, limit: int, sync: Sync) -> dict[str, int]:
+        result: dict[str, int] = await self._call(jobs.REDRIVE, dead, (to, limit), sync)
+        return result
+
+    async def expire_idle(self, queue: str, *, before: float, sync: Sync) -> bool:
+        result: bool = await self._call(jobs.EXPIRE_IDLE, queue, before, sync)
         return result
 
     async def delete(self, queue: str, *, sync: Sync) -> bool:

@@ -44,6 +44,7 @@ class QueueState:
 
     __slots__ = (
         "bytes",
+        "changed",
         "head_created",
         "head_dirty",
         "head_key",
@@ -73,6 +74,9 @@ class QueueState:
         self.items = 0
         self.bytes = 0
         self.open = 0
+        # When a message was last stored or moved in or out, or the queue
+        # made (Unix time): an idle queue expires after a while without.
+        self.changed = 0.0
         # The head is the queue's least key, waiting or reserved. Its key is
         # known once a batch has seen it (None: unknown or empty); head_dirty
         # asks the end of the batch to look it up.
@@ -98,7 +102,14 @@ class QueueState:
     def meta(self) -> bytes:
         flags = INDEXED if self.indexed else 0
         return META.pack(
-            self.qid, self.next_offset, self.items, self.bytes, self.open, self.head_created, flags
+            self.qid,
+            self.next_offset,
+            self.items,
+            self.bytes,
+            self.open,
+            self.head_created,
+            self.changed,
+            flags,
         )
 
     def state(self) -> tuple[Any, ...]:
@@ -139,6 +150,7 @@ _CHANGING = (
     "items",
     "bytes",
     "open",
+    "changed",
     "head_created",
     "head_key",
     "head_dirty",
@@ -159,6 +171,8 @@ class Catalog(Environment):
         self.queues: dict[str, QueueState] = {}
         self.next_qid = 0
         self.purges: list[bytes] = []  # qid keys of deleted queues with records left
+        self.children: dict[str, set[str]] = {}  # fanout parent -> its existing children
+        self.now = 0.0  # the time of the running batch
         self._touched: dict[str, Snapshot] = {}
         self._new_purges: list[bytes] = []
 
@@ -186,10 +200,10 @@ class Catalog(Environment):
             rec = cur.set_range(CAT_QUEUE)
             while rec is not None and rec[0][:1] == CAT_QUEUE:
                 raw = rec[0][1:]
-                qid, next_offset, items, nbytes, nopen, head, flags = META.unpack(rec[1])
+                qid, next_offset, items, nbytes, nopen, head, changed, flags = META.unpack(rec[1])
                 q = self._make_queue(decode_name(raw), raw, qid)
                 q.next_offset, q.items, q.bytes, q.open = next_offset, items, nbytes, nopen
-                q.head_created = head
+                q.head_created, q.changed = head, changed
                 q.indexed = bool(flags & INDEXED)
                 queues[q.name] = q
                 rec = cur.next()
@@ -202,7 +216,10 @@ class Catalog(Environment):
             cur.close()
         raw_qid = self.cat.get(CAT_NEXT_QID)
         self.next_qid = QID.unpack(raw_qid)[0] if raw_qid else 0
-        self.queues = queues
+        self.queues = {}
+        self.children = {}
+        for name, q in queues.items():
+            self._register(name, q)
         self.purges = purges
 
     def _check_format(self) -> None:
@@ -271,10 +288,28 @@ class Catalog(Environment):
         self.next_qid += 1
         if q.mdb is None:
             self._attach(q)
+        q.changed = self.now
         # A queue deleted earlier in this batch keeps its own snapshot.
         self._touched.setdefault(name, (q, False, ()))
-        self.queues[name] = q
+        self._register(name, q)
         return q
+
+    def _register(self, name: str, q: QueueState) -> None:
+        self.queues[name] = q
+        parent, plus, _ = name.partition("+")
+        if plus:
+            self.children.setdefault(parent, set()).add(name)
+
+    def _unregister(self, name: str) -> None:
+        """`name` no longer exists (deleted, or its creation undone)."""
+        if self.queues.pop(name, None) is None:
+            return
+        parent, plus, _ = name.partition("+")
+        kids = self.children.get(parent) if plus else None
+        if kids is not None:
+            kids.discard(name)
+            if not kids:
+                del self.children[parent]
 
     def _write_meta(self, txn: Any, next_qid: int) -> None:
         """Save every touched queue's record (and the next queue id if it moved)."""
@@ -303,9 +338,9 @@ class Catalog(Environment):
         for name, (q, existed, state) in touched.items():
             if existed:
                 q.set_state(state)
-                self.queues[name] = q
+                self._register(name, q)
             else:
-                self.queues.pop(name, None)
+                self._unregister(name)
         self.next_qid = next_qid
         self._touched = {}
 

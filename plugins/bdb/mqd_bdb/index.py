@@ -15,14 +15,14 @@ from collections.abc import Callable
 from typing import Any
 
 from mqd_bdb.catalog import CHUNK, QueueState
-from mqd_bdb.leases import Leases
+from mqd_bdb.queue_ops import QueueOps
 from mqd_bdb.records import CAT_QUEUE, U32, body_of, delete_range, digest
 from mqd_bdb.store import NeedsIndex
 
 INLINE_INDEX = 1000  # a queue this small has its bodies counted inside the batch
 
 
-class BodyIndex(Leases):
+class BodyIndex(QueueOps):
     """The counting of bodies, for a layout whose queues have `udb` and `upre`."""
 
     def _count_body(self, txn: Any, q: QueueState, body: bytes, delta: int) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 from mqd.backend import Sync
 
 # Operation codes, the first item of a Job; the argument each takes.
-PUT = 0  # (message, unique, limits) -> Put
+PUT = 0  # (message, unique, limits, {child: limits} or None) -> Put
 TAKE = 1  # None -> Message | None
 RESERVE = 2  # (owner, lease seconds) -> Message | None, its receipt set
 ACK = 3  # receipt -> bool
@@ -23,6 +23,9 @@ CONTAINS = 11  # body -> bool
 DISCARD = 12  # body -> int
 DELETE = 13  # None -> bool
 RESTORE = 14  # message: give back a taken message whose caller went away
+CREATE = 15  # None -> bool
+REDRIVE = 16  # (to or None, limit) -> {queue: how many moved there}
+EXPIRE_IDLE = 17  # before (Unix time) -> bool
 
 #: The Store method that runs each operation.
 METHODS = {
@@ -41,6 +44,9 @@ METHODS = {
     DISCARD: "discard",
     DELETE: "delete",
     RESTORE: "restore",
+    CREATE: "create",
+    REDRIVE: "redrive",
+    EXPIRE_IDLE: "expire_idle",
 }
 
 #: (operation, queue name, argument, sync or None for reads, future or None).

@@ -11,7 +11,6 @@ due, so a lease acknowledged or extended in between is left alone.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from mqd.backend import Lease, Message, Receipt
@@ -83,6 +82,7 @@ class Leases(Operations):
             return True
         message = read_message(value)
         self._delete_record(txn, q, key, message.body)
+        q.changed = self.now
         message.origin = q.name
         # In bdb-random a dead-letter queue that holds the body already keeps
         # that copy: a set holds each body once.
@@ -95,14 +95,14 @@ class Leases(Operations):
         if found is None:
             return False
         q, lease_key, lease, key = found
-        deadline = time.time() + seconds if seconds else 0.0
+        deadline = self.now + seconds if seconds else 0.0
         longer = Lease(lease.owner, deadline, lease.token)
         self.cat.put(lease_key, lease_record(longer, key[len(q.mpre) :]), txn)
         return True
 
     def leases(self, txn: Any, name: str, owner: str | None) -> list[tuple[str, Message]]:
         """Every open message whose lease has expired, or is held by `owner`."""
-        now = time.time()
+        now = self.now
         by_qid = {q.qkey: q for q in self.queues.values()}
         due: list[tuple[QueueState, int, Lease, bytes]] = []
         cur = self.cat.cursor(txn)
@@ -135,6 +135,6 @@ class Leases(Operations):
         if found is None:
             return False
         lease = found[2]
-        if not (lease.expired(time.time()) or (owner is not None and lease.owner == owner)):
+        if not (lease.expired(self.now) or (owner is not None and lease.owner == owner)):
             return False
         return self._end(txn, found, to)

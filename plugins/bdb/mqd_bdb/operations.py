@@ -6,7 +6,7 @@ calls a layout supplies (declared at the end of mqd_bdb.store.Store).
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterator
 from typing import Any
 
 from berkeleydb import db
@@ -28,10 +28,9 @@ from mqd_bdb.store import Store
 
 
 class Operations(Store):
-    """put, take, reserve, remove, peek, contains, discard, restore, delete."""
+    """put (without fanout), take, reserve, remove, peek, contains, discard, restore."""
 
-    def put(self, txn: Any, name: str, arg: tuple[Message, bool, Limits]) -> Put:
-        message, unique, limits = arg
+    def _put(self, txn: Any, name: str, message: Message, unique: bool, limits: Limits) -> Put:
         q = self._find(name) or self._create(name)
         bounded = limits.max_items or limits.max_bytes
         if bounded:
@@ -85,12 +84,25 @@ class Operations(Store):
         q.next_offset = offset + 1
         q.items += 1
         q.bytes += len(body)
+        q.changed = self.now
         if q.indexed:
             self._count_body(txn, q, body, 1)
         if self.keyed_by_body:  # an offset-keyed append never sorts before the hint
             self._rewind(q, key, offset)
         q.head_added(key, message.created)
         return True
+
+    def _records(self, txn: Any, q: QueueState) -> Iterator[tuple[bytes, bytes]]:
+        """Every message record of `q`, in key order."""
+        prefix = q.mpre
+        cur = q.mdb.cursor(txn)
+        try:
+            rec = cur.set_range(prefix)
+            while rec is not None and rec[0].startswith(prefix):
+                yield rec
+                rec = cur.next()
+        finally:
+            cur.close()
 
     def _delete_record(self, txn: Any, q: QueueState, key: bytes, body: bytes) -> None:
         """Remove the message record at `key` (the caller touched `q`)."""
@@ -134,7 +146,7 @@ class Operations(Store):
         if q is None:
             return None
         owner, seconds = arg
-        return self._pop(txn, q, Lease.start(owner, seconds, time.time()))
+        return self._pop(txn, q, Lease.start(owner, seconds, self.now))
 
     def remove(self, txn: Any, name: str, offset: int) -> bool:
         q = self._find(name)
@@ -187,17 +199,6 @@ class Operations(Store):
             self._count_body(txn, q, body, 1)
         self._rewind(q, key, message.offset)
         q.head_added(key, message.created)
-        return True
-
-    def delete(self, txn: Any, name: str, arg: None) -> bool:
-        """Single-file layouts: forget the queue now, purge its records later."""
-        q = self.queues.get(name)
-        if q is None:
-            return False
-        self._touch(q)
-        self._drop_catalog_entry(txn, q)
-        self._schedule_purge(txn, q)
-        del self.queues[name]
         return True
 
 

@@ -24,7 +24,7 @@ from mqd_bdb.records import CAT_RESERVED, delete_range
 class PerQueueStore(FifoStore):
     """`bdb`: per queue a B-tree file of messages and a Hash file of body digests."""
 
-    barrier_ops = frozenset({jobs.DELETE})  # dbremove needs the handles closed
+    barrier_ops = frozenset({jobs.DELETE, jobs.EXPIRE_IDLE})  # dbremove needs handles closed
     catalog_file = "catalog.db"
 
     def __init__(self, data_dir: Path, config: BdbConfig) -> None:
@@ -95,7 +95,7 @@ class PerQueueStore(FifoStore):
         while delete_range(self.cat, txn, CAT_RESERVED + q.qkey, CHUNK):
             pass
         self._drop_catalog_entry(txn, q)
-        del self.queues[name]
+        self._unregister(name)
         return True
 
 

@@ -8,15 +8,14 @@ holds the digest, so an open message is found from its receipt at once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 from mqd_bdb.catalog import QueueState
-from mqd_bdb.leases import Leases
+from mqd_bdb.queue_ops import QueueOps
 from mqd_bdb.records import CAT_RESERVED, MSG, WAITING, digest, first_waiting, offset_of
 
 
-class RandomStore(Leases):
+class RandomStore(QueueOps):
     """Messages keyed by queue and body digest, so each body is stored once per queue."""
 
     keyed_by_body = True
@@ -51,18 +50,6 @@ class RandomStore(Leases):
             ):
                 oldest = rec
         return oldest
-
-    def _records(self, txn: Any, q: QueueState) -> Iterator[tuple[bytes, bytes]]:
-        """Every message record of `q`, in key order."""
-        prefix = q.mpre
-        cur = self.cat.cursor(txn)
-        try:
-            rec = cur.set_range(prefix)
-            while rec is not None and rec[0].startswith(prefix):
-                yield rec
-                rec = cur.next()
-        finally:
-            cur.close()
 
     def _waiting_at(self, txn: Any, q: QueueState, offset: int) -> tuple[bytes, bytes] | None:
         # No index by offset: the broker removes the head it just peeked at,

@@ -2,7 +2,7 @@
 
 Every layout keeps a *catalog* of B-tree records, keyed by a one-byte kind:
 
-    CAT_QUEUE    + name             -> META: qid, next offset, counts, head, flags
+    CAT_QUEUE    + name             -> META: qid, next offset, counts, head, last change, flags
     CAT_RESERVED + qid + offset     -> LEASE: the open message's lease
     CAT_PURGE    + qid              -> a deleted queue whose records remain
     CAT_NEXT_QID                    -> the next queue id
@@ -45,8 +45,8 @@ QID = struct.Struct(">I")
 U32 = struct.Struct(">I")
 U64 = struct.Struct(">Q")
 CREATED = struct.Struct(">d")
-#: qid, next offset, items, bytes, open, head's created, flags (INDEXED).
-META = struct.Struct(">IQQQQdB")
+#: qid, next offset, items, bytes, open, head's created, last change, flags (INDEXED).
+META = struct.Struct(">IQQQQddB")
 INDEXED = 1  # META flag: the queue's copies of each body are counted
 #: A message: marker, offset, flags, expires, created, deliveries, origin length.
 REC = struct.Struct(">BQIddIH")

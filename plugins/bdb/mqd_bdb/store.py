@@ -11,6 +11,7 @@ that use it, mqd_bdb.random_set) supplies, declared at the end of Store.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -93,6 +94,7 @@ class Store(Catalog):
 
     def _transaction(self, segment: list[jobs.Job], published: dict[str, Any]) -> list[Any]:
         touched = self._begin()
+        self.now = time.time()
         next_qid = self.next_qid
         ops = self._ops
         txn = self.env.txn_begin()

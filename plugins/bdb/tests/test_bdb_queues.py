@@ -1,0 +1,78 @@
+"""Whole-queue operations on disk: fanout children, redrive, idle expiry across restarts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from bdb_helpers import ALWAYS, NAMES, drain, put, session
+from mqd_bdb.backend import _BdbBackend
+
+from mqd.backend import Limits, Message, Put
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fanout_children_outlive_a_restart(name: str, tmp_path: Path) -> None:
+    def limits(child: str) -> Limits:
+        return Limits(max_items=1) if child == "q+one" else Limits()
+
+    async def first(b: _BdbBackend) -> None:
+        for child in ("q+all", "q+one", "other+x"):
+            assert await b.create(child, sync=ALWAYS) is True
+
+    async def second(b: _BdbBackend) -> None:
+        assert sorted(await b.queues()) == ["other+x", "q+all", "q+one"]
+        for i in range(3):
+            stored = await b.put("q", Message(b"m%d" % i), sync=ALWAYS, fanout=limits)
+            assert stored is Put.STORED
+        # A put refused by the parent's limits copies nothing.
+        full = await b.put("q", Message(b"no"), sync=ALWAYS, limits=Limits(max_items=3))
+        assert full is Put.FULL
+
+    async def third(b: _BdbBackend) -> None:
+        got = {q: sorted(m.body for m in await drain(b, q)) for q in await b.queues()}
+        three = [b"m0", b"m1", b"m2"]
+        assert got == {"q": three, "q+all": three, "q+one": [b"m0"], "other+x": []}
+        assert await b.delete("q+all", sync=ALWAYS) is True
+        await b.put("q", Message(b"late"), sync=ALWAYS, fanout=limits)
+        assert await b.size("q+all") is None
+
+    session(name, tmp_path, first)
+    session(name, tmp_path, second)
+    session(name, tmp_path, third)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_idle_time_is_kept_across_a_restart(name: str, tmp_path: Path) -> None:
+    async def first(b: _BdbBackend) -> float:
+        await put(b, "old", b"x")
+        await b.take("old", sync=ALWAYS)
+        await b.create("made", sync=ALWAYS)
+        time.sleep(0.05)
+        cutoff = time.time()
+        await put(b, "new", b"x")
+        await b.take("new", sync=ALWAYS)
+        return cutoff
+
+    cutoff = session(name, tmp_path, first)
+
+    async def second(b: _BdbBackend) -> None:
+        for queue, expired in (("new", False), ("old", True), ("made", True), ("old", False)):
+            assert await b.expire_idle(queue, before=cutoff, sync=ALWAYS) is expired, queue
+        assert await b.queues() == ["new"]
+
+    session(name, tmp_path, second)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_redrive_takes_the_oldest_first(name: str, tmp_path: Path) -> None:
+    async def body(b: _BdbBackend) -> None:
+        sent = [b"z", b"a", b"m", b"b", b"y"]
+        for data in sent:
+            await put(b, "dead", data)
+        assert await b.redrive("dead", to="q", limit=3, sync=ALWAYS) == {"q": 3}
+        assert sorted(m.body for m in await drain(b, "q")) == sorted(sent[:3])
+        assert sorted(m.body for m in await drain(b, "dead")) == sorted(sent[3:])
+
+    session(name, tmp_path, body)
