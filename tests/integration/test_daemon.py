@@ -161,7 +161,7 @@ def test_unknown_backend_suggests_the_nearest(tmp_path: Path) -> None:
 
 
 def test_check_config_accepts_the_shipped_example(tmp_path: Path) -> None:
-    example = Path(__file__).parent.parent / "etc" / "mqd.toml"
+    example = Path(__file__).parents[2] / "etc" / "mqd.toml"
     result = mqd("check-config", "--config", str(example))
     assert result.returncode == 0, result.stderr
     assert "OK" in result.stdout
