@@ -185,16 +185,17 @@ def _bad(noreply: bool = False) -> Failed:
 
 def _unsigned(token: bytes, high: int) -> int | None:
     """`token` as an integer in [0, high], or None."""
-    if not token.isdigit():
+    # Longer tokens cannot be in range (and int() refuses over 4300 digits).
+    if not token.isdigit() or len(token) > 20:
         return None
     value = int(token)
     return value if value <= high else None
 
 
 def _signed(token: bytes) -> int | None:
-    """`token` as a 64-bit signed integer, or None."""
+    """`token` as a 64-bit signed integer, or None: every `exptime` goes through it."""
     digits = token[1:] if token[:1] == b"-" else token
-    if not digits.isdigit():
+    if not digits.isdigit() or len(digits) > 19:  # more digits cannot fit in 64 bits
         return None
     value = int(token)
     return value if -(2**63) <= value < 2**63 else None
@@ -388,12 +389,13 @@ class Parser:
     def _set(self, tokens: list[bytes], body: bytes) -> Store | None:
         """A plain `set` whose block is complete, or None to take the general path."""
         queue = self._names.get(tokens[1])
-        flags, exptime = tokens[2], tokens[3]
-        if queue is None or not flags.isdigit() or not exptime.isdigit():
+        flags = _unsigned(tokens[2], MAX_FLAGS)
+        exptime = _signed(tokens[3])
+        if queue is None or flags is None or exptime is None:
             return None
-        if len(body) > self.max_item_size or int(flags) > MAX_FLAGS:
+        if len(body) > self.max_item_size:
             return None
-        return Store(False, queue, int(flags), int(exptime), body, False)
+        return Store(False, queue, flags, exptime, body, False)
 
     def _name(self, raw: bytes) -> str | None:
         names = self._names

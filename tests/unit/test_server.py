@@ -79,6 +79,21 @@ def test_quit_closes_after_earlier_replies() -> None:
     assert reply == b"VERSION 0.1.0\r\n"
 
 
+def test_exptime_out_of_range_is_refused_on_every_path() -> None:
+    huge = b"9" * 400
+    for exptime in (huge, b"18446744073709551616", b"9223372036854775808"):
+        fresh = talk([b"set ex1 0 %b 1\r\nx\r\n" % exptime])
+        # The name is known to the connection now: the parser's fast path.
+        warm = talk([b"set ex1 0 0 1\r\nx\r\nset ex1 0 %b 1\r\nx\r\n" % exptime])
+        assert fresh == b"CLIENT_ERROR bad command line format\r\n"
+        assert warm == b"STORED\r\n" + fresh
+
+
+def test_numbers_too_long_for_int_are_a_client_error() -> None:
+    reply = talk([b"get a/t=" + b"9" * 5000 + b"\r\nversion\r\n"])
+    assert reply == b"CLIENT_ERROR bad command line format\r\nVERSION 0.1.0\r\n"
+
+
 stream_parts = st.sampled_from(
     [
         b"set a 1 0 3\r\nabc\r\n",
@@ -99,6 +114,11 @@ stream_parts = st.sampled_from(
         b"set a 0 0 1 noreply\r\nq\r\n",
         b"stats queues\r\n",
         b"version\n",
+        # exptime and option numbers beyond 64 bits, on a warm name or a fresh one
+        b"set a 0 " + b"9" * 400 + b" 1\r\nx\r\n",
+        b"set a 0 18446744073709551616 1\r\nx\r\n",
+        b"set a 0 -9223372036854775809 1\r\nx\r\n",
+        b"get a/t=" + b"9" * 5000 + b"\r\n",
     ]
 )
 
