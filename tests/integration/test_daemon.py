@@ -216,3 +216,21 @@ def test_backend_options_errors_name_the_file(tmp_path: Path) -> None:
     # Each table belongs to the backend of its name; another backend ignores it.
     path.write_text('[storage]\nbackend = "bdb-single"\n[storage.bdb]\ncache_mb = -1\n')
     assert mqd("check-config", "--config", str(path)).returncode == 0
+
+
+def test_flush_all_with_a_delay_keeps_one_pending_flush(tmp_path: Path) -> None:
+    with Daemon(tmp_path) as d:
+        conn = Raw(d.address)
+        conn.call(b"flush_all 1\r\n" * 1000, b"OK\r\n" * 1000)
+        # As memcached: a later flush_all replaces the pending one.
+        conn.call(b"flush_all 60\r\n", b"OK\r\n")
+        store(conn, "kept", b"1")
+        time.sleep(1.5)
+        conn.call(b"get kept\r\n", value("kept", b"1") + b"END\r\n")
+        conn.call(b"flush_all 1\r\n", b"OK\r\n")
+        store(conn, "gone", b"1")
+        time.sleep(1.5)
+        conn.call(b"get gone\r\n", b"END\r\n")
+        conn.call(b"flush_all 60\r\n", b"OK\r\n")
+        assert d.stop() == 0
+    assert "never awaited" not in d.log()
