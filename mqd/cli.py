@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from mqd import __version__
 from mqd import backend as backends
@@ -48,34 +49,46 @@ def main() -> None:
 
 @main.command()
 @config_option
-@click.option("--listen", envvar="MQD_LISTEN", help="Address to listen on.  [default: 127.0.0.1]")
-@click.option("--port", type=int, envvar="MQD_PORT", help="TCP port.  [default: 22133]")
 @click.option(
-    "--backend", envvar="MQD_BACKEND", help="Storage backend by name (see `mqd backends`)."
+    "--listen",
+    envvar="MQD_LISTEN",
+    metavar="HOST",
+    help="Address to listen on.  [default: 127.0.0.1]",
+)
+@click.option(
+    "--port", envvar="MQD_PORT", metavar="PORT", help="TCP port, 0-65535.  [default: 22133]"
+)
+@click.option(
+    "--backend",
+    envvar="MQD_BACKEND",
+    metavar="NAME",
+    help="Storage backend by name (see `mqd backends`).",
 )
 @click.option(
     "--data-dir",
-    type=click.Path(file_okay=False, path_type=Path),
     envvar="MQD_DATA_DIR",
-    help="Directory for the backend's files.  [default: data]",
+    metavar="DIR",
+    help="Directory for the backend's files.  [default: data; etc/mqd.toml sets /var/lib/mqd]",
 )
 @click.option(
     "--log-level",
-    type=click.Choice(configuration.LOG_LEVELS),
     envvar="MQD_LOG_LEVEL",
-    help="Logging level.  [default: info]",
+    metavar="LEVEL",
+    help=f"Logging level: {', '.join(configuration.LOG_LEVELS)}.  [default: info]",
 )
 @click.option(
     "--loop",
-    type=click.Choice(configuration.LOOPS),
     envvar="MQD_LOOP",
-    help="Event loop; auto uses uvloop when installed.  [default: auto]",
+    metavar="LOOP",
+    help="Event loop: asyncio, uvloop or auto (uvloop when installed).  [default: auto]",
 )
-def serve(config_path: Path | None, **flags: Any) -> None:
+@click.pass_context
+def serve(ctx: click.Context, /, config_path: Path | None, **flags: str | None) -> None:
     """Run the daemon in the foreground until SIGTERM."""
     from mqd import server
 
-    cfg = _load(config_path, **flags)
+    overrides = _overrides(ctx, flags)
+    cfg = _load(config_path, **overrides)
     logging.basicConfig(
         level=cfg.log_level_number,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -83,11 +96,26 @@ def serve(config_path: Path | None, **flags: Any) -> None:
     )
     storage = _backend(cfg)
     try:
-        server.run(cfg, storage, reload=lambda: configuration.load(config_path, **flags))
+        server.run(cfg, storage, reload=lambda: configuration.load(config_path, **overrides))
     except MqdError as error:
         raise click.ClickException(str(error)) from None
     except OSError as error:
         raise click.ClickException(f"cannot serve on {cfg.listen}:{cfg.port}: {error}") from None
+
+
+def _overrides(
+    ctx: click.Context, flags: dict[str, str | None]
+) -> dict[str, configuration.Override]:
+    """The flags given, as text naming where each came from, for the config to validate."""
+    out: dict[str, configuration.Override] = {}
+    for param in ctx.command.params:
+        text = flags.get(param.name or "")
+        if param.name is None or text is None:
+            continue
+        from_env = ctx.get_parameter_source(param.name) is ParameterSource.ENVIRONMENT
+        source = str(param.envvar) if from_env else param.opts[0]
+        out[param.name] = configuration.Override(source, text)
+    return out
 
 
 @main.command("check-config")
@@ -124,7 +152,9 @@ def list_backends() -> None:
 
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Daemon address.")
-@click.option("--port", default=22133, show_default=True, help="Daemon port.")
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=22133, show_default=True, help="Daemon port."
+)
 def stats(host: str, port: int) -> None:
     """Show a running daemon's counters and queues as tables."""
     from pymemcache.client.base import Client

@@ -11,14 +11,16 @@ import contextlib
 import dataclasses
 import fnmatch
 import logging
+import re
 import tomllib
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mqd import backend as backends
 from mqd.backend import StorageOptions, Sync
-from mqd.errors import ConfigError
+from mqd.errors import BackendLoadError, ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OVERFLOW = ("reject", "drop_oldest")
@@ -137,14 +139,18 @@ class TableReader:
     config error reads the same way.
     """
 
-    def __init__(self, path: Path | None, table: dict[str, Any], prefix: str) -> None:
+    def __init__(
+        self, path: Path | None, table: dict[str, Any], prefix: str, label: str = ""
+    ) -> None:
         self.path = path
         self.table = dict(table)
         self.prefix = prefix
+        self.label = label  # names the value instead of file and key: "--port", "MQD_PORT"
 
     def fail(self, key: str, value: object, allowed: str) -> ConfigError:
         where = f"{self.path}: " if self.path else ""
-        return ConfigError(f"{where}{self.prefix}{key} = {value!r}: {allowed}")
+        name = self.label or f"{where}{self.prefix}{key}"
+        return ConfigError(f"{name} = {value!r}: {allowed}")
 
     def take(self, key: str, kind: type | tuple[type, ...], allowed: str) -> Any:
         value = self.table.pop(key)
@@ -155,7 +161,7 @@ class TableReader:
             raise self.fail(key, value, allowed)
         return value
 
-    def integer(self, key: str, low: int = 0, high: int = 2**63) -> int:
+    def integer(self, key: str, low: int = 0, high: int = 2**63 - 1) -> int:
         allowed = f"must be a whole number from {low} to {high}"
         value: int = self.take(key, int, allowed)
         if not low <= value <= high:
@@ -205,7 +211,7 @@ _SERVER_KEYS: dict[str, str] = {
     "shutdown_timeout": "number",
 }
 _STORAGE_KEYS: dict[str, str] = {
-    "backend": "string",
+    "backend": "backend",
     "data_dir": "path",
     "sync_interval_ms": "positive",
     "daemon_id": "string",
@@ -255,8 +261,20 @@ def _read(check: TableReader, kinds: dict[str, str]) -> dict[str, Any]:
             out[key] = check.choice(key, OVERFLOW)
         elif kind == "sync":
             out[key] = Sync(check.choice(key, tuple(s.value for s in Sync)))
+        elif kind == "backend":
+            out[key] = _backend_name(check, key)
     check.leftovers(list(kinds))
     return out
+
+
+def _backend_name(check: TableReader, key: str) -> str:
+    name = check.string(key)
+    if name not in backends.available():
+        try:
+            backends.load(name)
+        except BackendLoadError as error:  # says what is installed and the nearest name
+            raise check.fail(key, name, str(error)) from None
+    return name
 
 
 def _table(check: TableReader, key: str) -> dict[str, Any]:
@@ -293,8 +311,38 @@ def parse(data: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
     return fields
 
 
+@dataclass(frozen=True)
+class Override:
+    """A setting given as text by a flag or an environment variable, and which one."""
+
+    source: str  # "--port", "MQD_PORT": named in the error when the value is bad
+    text: str
+
+
+_NUMERIC = re.compile(r"[+-]?[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?")
+
+
+def _from_text(key: str, override: Override) -> Any:
+    """`override` converted as its key's kind and validated exactly as the file's value."""
+    kind = _SERVER_KEYS.get(key) or _STORAGE_KEYS[key]
+    text = override.text.strip()
+    value: object = override.text
+    if kind in ("port", "positive", "count") and text.lstrip("+-").isdigit():
+        value = int(text)
+    elif kind == "number" and _NUMERIC.fullmatch(text):
+        value = float(text)
+    elif kind == "boolean" and text.lower() in ("true", "false"):
+        value = text.lower() == "true"
+    check = TableReader(None, {key: value}, "", label=override.source)
+    return _read(check, {key: kind})[key]
+
+
 def load(path: Path | None = None, **overrides: Any) -> Config:
-    """Defaults, then the file at `path` (if any), then `overrides` that are not None."""
+    """Defaults, then the file at `path` (if any), then `overrides` that are not None.
+
+    An `Override` (text from a flag or the environment) is converted and
+    validated like the file's values; other values are taken as they are.
+    """
     fields: dict[str, Any] = {}
     if path is not None:
         try:
@@ -305,5 +353,9 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
         fields = parse(data, path)
-    fields.update({k: v for k, v in overrides.items() if v is not None})
+    for key, value in overrides.items():
+        if isinstance(value, Override):
+            fields[key] = _from_text(key, value)
+        elif value is not None:
+            fields[key] = value
     return Config(path=path, **fields)

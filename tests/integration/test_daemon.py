@@ -139,6 +139,11 @@ def test_max_connections_and_idle_timeout(tmp_path: Path) -> None:
         ),
         ("[server]\nprot = 1\n", "server.prot = 1: unknown key; known keys: listen, port"),
         ("[server\n", "not valid TOML"),
+        (
+            "[server]\nmax_connections = 0\n",
+            "server.max_connections = 0: must be a whole number from 1 to 9223372036854775807",
+        ),
+        ('[storage]\nbackend = "nope"\n', "storage.backend = 'nope': unknown backend 'nope'"),
     ],
 )
 def test_bad_config_names_file_key_value_and_allowed(
@@ -152,6 +157,36 @@ def test_bad_config_names_file_key_value_and_allowed(
         assert str(path) in result.stderr and expected in result.stderr
         assert "Traceback" not in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        (["--port", "99999"], {}, "--port = 99999: must be a whole number from 0 to 65535"),
+        (["--port", "-5"], {}, "--port = -5: must be a whole number from 0 to 65535"),
+        (["--port", "x"], {}, "--port = 'x': must be a whole number from 0 to 65535"),
+        ([], {"MQD_PORT": "99999"}, "MQD_PORT = 99999: must be a whole number from 0 to 65535"),
+        (["--loop", "fast"], {}, '--loop = \'fast\': must be one of "asyncio", "uvloop"'),
+        ([], {"MQD_LOG_LEVEL": "loud"}, "MQD_LOG_LEVEL = 'loud': must be one of \"debug\""),
+        ([], {"MQD_BACKEND": "nope"}, "MQD_BACKEND = 'nope': unknown backend 'nope'"),
+    ],
+)
+def test_flags_and_environment_are_validated_like_the_file(
+    args: list[str], env: dict[str, str], expected: str
+) -> None:
+    backend = [] if "MQD_BACKEND" in env else ["--backend", "memory"]
+    result = mqd("serve", *backend, *args, env=env)
+    assert result.returncode != 0
+    assert result.stderr.strip() == f"Error: {expected}" or expected in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_data_dir_default_is_the_same_in_help_and_example() -> None:
+    example = (Path(__file__).parent.parent / "etc" / "mqd.toml").read_text()
+    help_text = " ".join(mqd("serve", "--help").stdout.split())
+    assert "[default: data; etc/mqd.toml sets /var/lib/mqd]" in help_text
+    assert 'data_dir = "/var/lib/mqd"' in example
+    assert 'The default is "data"' in example
 
 
 def test_unknown_backend_suggests_the_nearest(tmp_path: Path) -> None:
