@@ -23,7 +23,7 @@ from mqd import __version__, protocol
 from mqd.backend import Backend, Put
 from mqd.broker import Broker, Session
 from mqd.config import Config
-from mqd.errors import ConfigError, ProtocolError, ServerError, UnknownCommand
+from mqd.errors import ConfigError, ProtocolError, ServerError, StorageError, UnknownCommand
 from mqd.protocol import (
     REPLY,
     Delete,
@@ -331,7 +331,13 @@ class Server:
         """Run until stopped by a signal or the shutdown command."""
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        await self.broker.start()
+        try:
+            await self.broker.start()
+        except StorageError as error:
+            where = str(self.config.data_dir)
+            if where in str(error):
+                raise
+            raise StorageError(f"{where}: {error}") from error
         server = await self.loop.create_server(
             lambda: Connection(self),
             self.config.listen,

@@ -269,3 +269,12 @@ def test_flush_all_with_a_delay_keeps_one_pending_flush(tmp_path: Path) -> None:
         conn.call(b"flush_all 60\r\n", b"OK\r\n")
         assert d.stop() == 0
     assert "never awaited" not in d.log()
+
+
+def test_storage_error_at_start_names_the_data_dir() -> None:
+    # /sys refuses new directories even to root: a storage error without a path.
+    data_dir = "/sys/mqd-test-data"
+    result = mqd("serve", "--backend", "bdb", "--port", "0", "--data-dir", data_dir)
+    assert result.returncode != 0
+    assert result.stderr.strip().startswith(f"Error: {data_dir}: "), result.stderr
+    assert "Traceback" not in result.stderr
