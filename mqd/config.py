@@ -57,12 +57,19 @@ class Config:
     port: int = 22133
     max_connections: int = 4096
     idle_timeout: float = 0.0  # seconds; 0: never
+    command_timeout: float = 30.0  # seconds one command may take to arrive; 0: no bound
     max_wait: float = 30.0  # cap on a get's /t= wait, seconds
     allow_flush_all: bool = True
     allow_shutdown: bool = False
     log_level: str = "info"
     loop: str = "auto"
     shutdown_timeout: float = 10.0
+    # [server.tls]: TLS when both cert_file and key_file are set; ca_file: clients need a cert
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_ca_file: Path | None = None
+    # [server.auth]: clients must log in first, with a user:password from this file
+    auth_users_file: Path | None = None
     # [storage]
     backend: str = "bdb"
     data_dir: Path = Path("data")
@@ -203,6 +210,7 @@ _SERVER_KEYS: dict[str, str] = {
     "port": "port",
     "max_connections": "positive",
     "idle_timeout": "number",
+    "command_timeout": "number",
     "max_wait": "number",
     "allow_flush_all": "boolean",
     "allow_shutdown": "boolean",
@@ -210,6 +218,8 @@ _SERVER_KEYS: dict[str, str] = {
     "loop": "loop",
     "shutdown_timeout": "number",
 }
+_TLS_KEYS: dict[str, str] = {"cert_file": "path", "key_file": "path", "ca_file": "path"}
+_AUTH_KEYS: dict[str, str] = {"users_file": "path"}
 _STORAGE_KEYS: dict[str, str] = {
     "backend": "backend",
     "data_dir": "path",
@@ -291,7 +301,18 @@ def parse(data: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
     queues = _table(top, "queues")
     top.leftovers(["server", "storage", "queues"])
 
-    fields = _read(TableReader(path, server, "server."), _SERVER_KEYS)
+    server_check = TableReader(path, server, "server.")
+    tls = _read(TableReader(path, _table(server_check, "tls"), "server.tls."), _TLS_KEYS)
+    auth = _read(TableReader(path, _table(server_check, "auth"), "server.auth."), _AUTH_KEYS)
+    fields = _read(server_check, _SERVER_KEYS)
+    if tls:
+        for key in ("cert_file", "key_file"):
+            if key not in tls:
+                where = f"{path}: " if path else ""
+                raise ConfigError(f"{where}server.tls.{key}: missing: [server.tls] needs {key}")
+        fields.update({f"tls_{key}": value for key, value in tls.items()})
+    if "users_file" in auth:
+        fields["auth_users_file"] = auth["users_file"]
     storage_check = TableReader(path, storage, "storage.")
     # Tables are backends' options, validated by the backend chosen (which
     # --backend may change after the file is read).

@@ -19,6 +19,7 @@ from mqd.errors import ClientError, ProtocolError, ServerError, UnknownCommand
 MAX_NAME = 250  # bytes in a queue name
 MAX_LINE = 2048  # bytes in a command line ...
 MAX_GET_LINE = 65536  # ... except get/gets, which may carry many keys
+MAX_GET_KEYS = 8192  # keys in one get or gets
 MAX_BYTES_FIELD = 2**31 - 1  # memcached parses <bytes> as a signed 32-bit number
 MAX_FLAGS = 2**32 - 1
 
@@ -283,6 +284,11 @@ class Parser:
         self._keys: dict[bytes, Key | None] = {}
         self._names: dict[bytes, str | None] = {}
 
+    @property
+    def partial(self) -> bool:
+        """Whether part of a command has arrived and the rest has not."""
+        return bool(self._have or self._need or self._swallow)
+
     def feed(self, data: bytes) -> list[Command]:
         """Take more input and return every command it completes, in order."""
         if self.closed:
@@ -438,6 +444,8 @@ class Parser:
     def _retrieve(self, tokens: list[bytes]) -> Command:
         if len(tokens) < 2:
             return _bad()
+        if len(tokens) > MAX_GET_KEYS + 1:
+            return Failed(ClientError(f"too many keys (at most {MAX_GET_KEYS})"))
         cache = self._keys
         keys = []
         for raw in tokens[1:]:

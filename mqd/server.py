@@ -2,7 +2,10 @@
 
 One event loop, one thread. Each connection runs its commands strictly in
 order; replies are gathered and written once per batch of input, which is what
-makes pipelining cheap. Signals: TERM/INT stop gracefully (a second one forces
+makes pipelining cheap. What one client can make the daemon hold is bounded:
+a connection stops reading while many parsed commands wait or its unsent
+replies pass WRITE_HIGH, and stops running commands until the client reads.
+Signals: TERM/INT stop gracefully (a second one forces
 the exit), HUP reloads per-queue settings. With NOTIFY_SOCKET set, systemd is
 told READY=1 and STOPPING=1.
 """
@@ -16,21 +19,22 @@ import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
-from mqd import __version__, protocol
-from mqd.backend import Backend, Put
+from mqd import __version__, protocol, security
+from mqd.backend import Backend
 from mqd.broker import Broker, Session
 from mqd.config import Config
+from mqd.eager import run_eagerly
 from mqd.errors import ConfigError, ProtocolError, ServerError, StorageError, UnknownCommand
+from mqd.listener import Listener, Throttled, descriptors_in_use, raise_descriptor_limit
 from mqd.protocol import (
     REPLY,
     Delete,
     Failed,
     FlushAll,
     Quit,
-    Redrive,
     Retrieve,
     Shutdown,
     Stats,
@@ -42,8 +46,19 @@ from mqd.protocol import (
 log = logging.getLogger(__name__)
 
 PENDING_HIGH = 4096  # parsed commands waiting on one connection before it stops reading
+INPUT_HIGH = 1 << 20  # ... or bytes of input behind them
+WRITE_HIGH = 256 * 1024  # unsent reply bytes above which a connection runs no more commands
+GET_PIECE = 32  # keys of a many-key get run at a time, so its reply is built in pieces
+FLUSH_AT = 64 * 1024  # gathered reply bytes sent at once rather than at the end of a batch
+ADMIT_GRACE = 0.5  # seconds a connection over max_connections waits for a slot ...
+ADMIT_RETRY = 0.05  # ... looking every this often
+REFUSED_LINGER = 1.0  # seconds a refused client has to read its error line
+DESCRIPTOR_RESERVE = 64  # descriptors kept for the backend and listeners beyond those open
 TOO_MANY_CONNECTIONS = b"ERROR Too many open connections\r\n"
-STORED = REPLY["stored"]
+END = REPLY["end"]
+UNAUTHENTICATED = b"CLIENT_ERROR unauthenticated\r\n"
+BAD_TOKEN = b"CLIENT_ERROR bad authentication token format\r\n"
+AUTH_FAILED = b"CLIENT_ERROR authentication failure\r\n"
 
 
 class Connection(asyncio.Protocol):
@@ -58,8 +73,14 @@ class Connection(asyncio.Protocol):
         self.pending: deque[protocol.Command] = deque()
         self.out: list[bytes] = []
         self.task: asyncio.Task[None] | None = None
-        self.closed = False
-        self.last_active = time.monotonic()
+        self.closed = True  # until admitted: nothing it sends is run
+        self.admitted = False
+        self.early: list[bytes] | None = []  # input before admission; None once refused
+        self.locked = server.authenticator is not None  # until the client logs in
+        self.last_active = time.monotonic()  # when the last complete command arrived
+        self.command_started = 0.0  # when the command still arriving began; 0: none
+        self.pending_bytes = 0
+        self.out_bytes = 0
         self._writable: asyncio.Future[None] | None = None
         self._reading_paused = False
 
@@ -68,28 +89,86 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport, hence the cast.
         self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH)
+        if self.server.admit(self):
+            self.admitted, self.closed = True, False
+            return
+        # Clients that just left may not be counted out yet (their end of
+        # file is read later): wait a moment for a slot before refusing.
+        self.transport.pause_reading()
+        self.server.loop.call_later(ADMIT_RETRY, self._admit_late, ADMIT_GRACE)
+
+    def _admit_late(self, left: float) -> None:
+        assert self.transport is not None
+        if self.transport.is_closing():
+            return
         if not self.server.admit(self):
-            self.transport.write(TOO_MANY_CONNECTIONS)
-            self.transport.close()
-            self.closed = True
+            if left > 0:
+                self.server.loop.call_later(ADMIT_RETRY, self._admit_late, left - ADMIT_RETRY)
+            else:
+                self.transport.resume_reading()
+                self.refuse()
+            return
+        self.transport.resume_reading()
+        self.admitted, self.closed = True, False
+        early, self.early = self.early or [], None
+        for data in early:
+            self.data_received(data)
+
+    def refuse(self) -> None:
+        """Say why, then close once the client has read it (closing at once resets it)."""
+        assert self.transport is not None
+        self.early = None
+        self.server.refused(
+            "refused a connection: max_connections (%d) reached", len(self.server.connections)
+        )
+        self.transport.write(TOO_MANY_CONNECTIONS)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # the client sees the line, then EOF, and closes
+        self.server.loop.call_later(REFUSED_LINGER, self.transport.close)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
+            # Before admission, kept (reading is paused, but not at once on
+            # every loop); once refused, read and dropped, so that no reset
+            # loses the error line.
+            if self.early is not None and not self.admitted:
+                self.early.append(data)
+                assert self.transport is not None
+                self.transport.pause_reading()
             return
-        self.last_active = time.monotonic()
         commands = self.parser.feed(data)
+        now = time.monotonic()
         if not commands:
+            if not self.command_started:
+                self.command_started = now
             return
+        self.last_active = now
+        self.command_started = now if self.parser.partial else 0.0
         self.pending.extend(commands)
-        if len(self.pending) > PENDING_HIGH and not self._reading_paused:
+        self.pending_bytes += len(data)
+        if (
+            len(self.pending) > PENDING_HIGH or self.pending_bytes > INPUT_HIGH
+        ) and not self._reading_paused:
             assert self.transport is not None
             self.transport.pause_reading()
             self._reading_paused = True
         if self.task is None:
             self.process()
 
+    @property
+    def reading_paused(self) -> bool:
+        return self._reading_paused
+
+    @property
+    def blocked_on_client(self) -> bool:
+        """Whether replies wait for the client to read them."""
+        return self._writable is not None
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if not self.admitted:
+            return
         self.server.forget(self)
         waiter = self._writable
         if waiter is not None and not waiter.done():
@@ -120,16 +199,11 @@ class Connection(asyncio.Protocol):
         message), and running them directly here saves creating a task for
         every read, which costs more than parsing and executing a command.
         """
-        step = self.drain()
-        try:
-            waiting_on = step.send(None)
-        except StopIteration:
-            return
-        self.task = self.server.loop.create_task(self.finish(step, waiting_on))
+        self.task = run_eagerly(self._run())
 
-    async def finish(self, step: Coroutine[Any, Any, None], waiting_on: Any) -> None:
+    async def _run(self) -> None:
         try:
-            await finish(step, waiting_on)
+            await self.drain()
         except asyncio.CancelledError:
             pass
         finally:
@@ -144,25 +218,25 @@ class Connection(asyncio.Protocol):
             if self._writable is not None:  # the client is not reading its replies
                 self.flush()
                 await self._writable
-            if self._reading_paused and len(pending) < PENDING_HIGH // 2:
-                assert self.transport is not None
-                self.transport.resume_reading()
-                self._reading_paused = False
             command = pending.popleft()
             kind = type(command)
+            if self.locked:
+                reply = self._login(command)
+                if reply:
+                    out.append(reply)
+                    continue
             try:
                 # The two commands that carry the load skip the dispatch table.
                 if kind is Store:
-                    stored = await broker.store(command)  # type: ignore[arg-type]
+                    reply = await broker.store(command)  # type: ignore[arg-type]
                     if command.noreply:  # type: ignore[union-attr]
                         continue
-                    if stored is Put.STORED:
-                        reply = STORED
-                    else:
-                        reply = protocol.store_reply(command, stored)  # type: ignore[arg-type]
                 elif kind is Retrieve:
-                    hits = await broker.retrieve(command, self.session)  # type: ignore[arg-type]
-                    reply = protocol.values_reply(hits, command.with_ids)  # type: ignore[union-attr]
+                    keys = command.keys  # type: ignore[union-attr]
+                    if len(keys) > GET_PIECE and all(k.plain or k.peek or k.at for k in keys):
+                        reply = await self._retrieve_in_pieces(command)  # type: ignore[arg-type]
+                    else:
+                        reply = await broker.retrieve(command, self.session)  # type: ignore[arg-type]
                 else:
                     result = await _DISPATCH[kind](self, command)
                     if result is None:
@@ -177,13 +251,60 @@ class Connection(asyncio.Protocol):
                 out.append(protocol.error_line(ServerError("internal error")))
                 continue
             out.append(reply)
+            self.out_bytes += len(reply)
+            if self.out_bytes >= FLUSH_AT:
+                self.flush()
         self.flush()
+        self.pending_bytes = 0
+        if self._reading_paused and not self.closed:
+            assert self.transport is not None
+            self.transport.resume_reading()
+            self._reading_paused = False
+            if self.parser.partial:
+                self.command_started = time.monotonic()
 
     def flush(self) -> None:
         """Send every reply gathered so far."""
-        if self.out and self.transport is not None and not self.closed:
-            self.transport.write(b"".join(self.out))
-        self.out.clear()
+        out = self.out
+        if out and self.transport is not None and not self.closed:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        out.clear()
+        self.out_bytes = 0
+
+    async def _retrieve_in_pieces(self, command: Retrieve) -> bytes:
+        """A get of many keys that take or look without waiting, answered GET_PIECE keys at a time.
+
+        The reply bytes are those of the whole; what is held at once is one
+        piece's values, and the next piece waits while the client is not reading.
+        """
+        keys = command.keys
+        for start in range(0, len(keys), GET_PIECE):
+            piece = Retrieve(keys[start : start + GET_PIECE], command.with_ids)
+            values = await self.broker.retrieve(piece, self.session)
+            self.out.append(values[: -len(END)])  # each piece's reply ends in END
+            self.flush()
+            if self._writable is not None:
+                await self._writable
+        return END
+
+    def _login(self, command: protocol.Command) -> bytes:
+        """memcached's text-protocol login: the first `set`'s data is `<user> <password>`.
+
+        Returns the reply, or b"" for a command that runs anyway (a fatal parse error).
+        """
+        if isinstance(command, Failed) and command.close:
+            return b""
+        if not isinstance(command, Store) or command.add:
+            return UNAUTHENTICATED
+        user, space, password = command.body.partition(b" ")
+        if not space:
+            return BAD_TOKEN
+        assert self.server.authenticator is not None
+        if not self.server.authenticator.check(user, password):
+            self.server.auth_failures("authentication failed for user %r", user)
+            return AUTH_FAILED
+        self.locked = False
+        return REPLY["stored"]
 
     def close(self) -> None:
         self.flush()
@@ -201,23 +322,14 @@ class Connection(asyncio.Protocol):
 
     async def _flush_all(self, command: FlushAll) -> bytes | None:
         if command.delay:
+            self.broker.check_flush_all()
             self.broker.flush_all_later(command.delay)
         else:
             await self.broker.flush_all()
         return None if command.noreply else REPLY["ok"]
 
-    async def _redrive(self, command: Redrive) -> bytes:
-        moved = await self.broker.redrive(command.dead, command.limit, command.to)
-        return protocol.moved_reply(moved)
-
     async def _stats(self, command: Stats) -> bytes:
-        if command.args == (b"reset",):
-            self.broker.reset_stats()
-            return REPLY["reset"]
-        if len(command.args) > 1:
-            raise UnknownCommand()
-        group = command.args[0].decode("ascii", "replace") if command.args else ""
-        return protocol.stats_reply(await self.broker.stats(group))
+        return await self.broker.stats(command.args)
 
     async def _version(self, command: Version) -> bytes:
         return b"VERSION %b\r\n" % __version__.encode()
@@ -247,7 +359,6 @@ _Handler = Callable[[Connection, Any], Awaitable[bytes | None]]
 _DISPATCH: dict[type, _Handler] = {
     Delete: Connection._delete,
     FlushAll: Connection._flush_all,
-    Redrive: Connection._redrive,
     Stats: Connection._stats,
     Version: Connection._version,
     Verbosity: Connection._verbosity,
@@ -255,34 +366,6 @@ _DISPATCH: dict[type, _Handler] = {
     Shutdown: Connection._shutdown,
     Failed: Connection._failed,
 }
-
-
-async def finish(step: Coroutine[Any, Any, None], waiting_on: Any) -> None:
-    """Drive a coroutine that was started by hand and suspended on `waiting_on`.
-
-    It does for one coroutine what asyncio.Task does: wait for the future it
-    yielded, then resume it, until it returns. (Python 3.12's eager tasks do
-    this natively; this keeps 3.11 supported.) A cancellation of the task
-    running this cancels the future being waited on, as Task.cancel does.
-    """
-    while True:
-        if waiting_on is None:
-            await asyncio.sleep(0)  # a bare yield: give the loop one turn
-        else:
-            # As Task does: the flag a future sets when it is yielded by an
-            # await must be cleared before the future is awaited again.
-            waiting_on._asyncio_future_blocking = False
-            try:
-                await waiting_on
-            except asyncio.CancelledError:
-                if not waiting_on.done():
-                    waiting_on.cancel()
-            except BaseException:
-                pass  # the coroutine gets the future's exception when it resumes
-        try:
-            waiting_on = step.send(None)
-        except StopIteration:
-            return
 
 
 class Server:
@@ -297,6 +380,11 @@ class Server:
         self.config = config
         self.broker = Broker(backend, config)
         self.reload = reload
+        self.authenticator = security.authenticator(config)
+        self.auth_failures = Throttled(log, logging.WARNING)
+        self.max_connections = config.max_connections  # lowered to fit the descriptor limit
+        self.refused = Throttled(log, logging.WARNING)
+        self._slow = Throttled(log, logging.INFO)
         self.connections: set[Connection] = set()
         self.loop: asyncio.AbstractEventLoop  # set by serve()
         self._stop: asyncio.Event | None = None
@@ -305,8 +393,7 @@ class Server:
         self.bound: tuple[str, int] | None = None
 
     def admit(self, connection: Connection) -> bool:
-        if len(self.connections) >= self.config.max_connections:
-            log.warning("refused a connection: max_connections (%d) reached", len(self.connections))
+        if len(self.connections) >= self.max_connections:
             return False
         self.connections.add(connection)
         self.broker.curr_connections = len(self.connections)
@@ -331,6 +418,8 @@ class Server:
         """Run until stopped by a signal or the shutdown command."""
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        tls = security.server_context(self.config)
+        limit = raise_descriptor_limit()
         try:
             await self.broker.start()
         except StorageError as error:
@@ -338,22 +427,21 @@ class Server:
             if where in str(error):
                 raise
             raise StorageError(f"{where}: {error}") from error
-        server = await self.loop.create_server(
-            lambda: Connection(self),
-            self.config.listen,
-            self.config.port,
-            reuse_address=True,
-            backlog=1024,
+        self._fit_descriptors(limit)
+        listener = Listener.open(
+            self.config.listen, self.config.port, lambda: Connection(self), tls
         )
-        sock = server.sockets[0].getsockname()
-        self.bound = (sock[0], sock[1])
+        await asyncio.sleep(0)  # accept whoever is already waiting before anything else
+        self.bound = listener.address
         self._install_signals()
-        idle = self.loop.create_task(self._reap_idle()) if self.config.idle_timeout else None
+        timed = self.config.idle_timeout or self.config.command_timeout
+        reaper = self.loop.create_task(self._reap()) if timed else None
         log.info(
-            "mqd %s listening on %s:%d, backend %s",
+            "mqd %s listening on %s:%d%s, backend %s",
             __version__,
             self.bound[0],
             self.bound[1],
+            " (TLS)" if tls else "",
             self.broker.backend.name,
         )
         notify("READY=1")
@@ -361,12 +449,27 @@ class Server:
             await self._stop.wait()
         finally:
             notify("STOPPING=1")
-            if idle is not None:
-                idle.cancel()
-            server.close()
+            if reaper is not None:
+                reaper.cancel()
+            listener.close()
             await self._drain()
             await self.broker.stop()
             log.info("stopped")
+
+    def _fit_descriptors(self, limit: int) -> None:
+        """Lower max_connections to what the descriptor limit leaves (one line says so)."""
+        reserve = descriptors_in_use() + DESCRIPTOR_RESERVE
+        fits = max(1, limit - reserve)
+        if fits < self.config.max_connections:
+            log.warning(
+                "max_connections lowered from %d to %d: the descriptor limit is %d and %d are "
+                "kept for storage and listening (raise it with ulimit -n or LimitNOFILE)",
+                self.config.max_connections,
+                fits,
+                limit,
+                reserve,
+            )
+        self.max_connections = min(self.config.max_connections, fits)
 
     async def _drain(self) -> None:
         """Finish in-flight commands within `shutdown_timeout`, then close connections."""
@@ -406,20 +509,36 @@ class Server:
         except ConfigError as error:
             log.error("reload failed, keeping the old settings: %s", error)
             return
+        try:
+            authenticator = security.authenticator(config)
+        except ConfigError as error:
+            log.error("reload failed, keeping the old settings: %s", error)
+            return
         self.config = config
         self.broker.reconfigure(config)
+        if authenticator is not None:  # a users file can change; auth cannot be turned off
+            self.authenticator = authenticator
         logging.getLogger().setLevel(config.log_level_number)
         log.info("reloaded %s", config.path or "settings")
 
-    async def _reap_idle(self) -> None:
-        # One timer for all connections is cheaper than re-arming one per read.
-        timeout = self.config.idle_timeout
+    async def _reap(self) -> None:
+        """Close connections idle for idle_timeout, or slower than command_timeout to send one.
+
+        One timer for all connections is cheaper than re-arming one per read.
+        """
+        idle = self.config.idle_timeout
+        slow = self.config.command_timeout
         while True:
-            await asyncio.sleep(min(timeout, 1.0))
-            cutoff = time.monotonic() - timeout
+            await asyncio.sleep(min(t for t in (idle, slow, 1.0) if t) / 2)
+            now = time.monotonic()
             for connection in list(self.connections):
-                if connection.task is None and connection.last_active < cutoff:
+                waiting = connection.task is not None and not connection.blocked_on_client
+                started = connection.command_started
+                if idle and not waiting and connection.last_active < now - idle:
                     log.debug("closing an idle connection")
+                    connection.close()
+                elif slow and started and started < now - slow and not connection.reading_paused:
+                    self._slow("closing a connection: a command took over %g s to arrive", slow)
                     connection.close()
 
 

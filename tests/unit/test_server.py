@@ -31,6 +31,12 @@ class FakeTransport:
     def resume_reading(self) -> None:
         pass
 
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return self.closed
+
 
 class FifoOnly(MemoryBackend):
     name = "fifo-only"
