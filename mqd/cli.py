@@ -122,12 +122,23 @@ def _overrides(
 @config_option
 def check_config(config_path: Path | None) -> None:
     """Validate a config file and the backend it names; exit non-zero if bad."""
+    from mqd import security
+
     cfg = _load(config_path)
+    try:
+        tls = security.server_context(cfg)
+        auth = security.authenticator(cfg)
+    except MqdError as error:
+        raise click.ClickException(str(error)) from None
     caps = ", ".join(sorted(c.value for c in _backend(cfg).capabilities))
     click.echo(f"{cfg.path or 'defaults'}: OK")
     click.echo(
         f"listen {cfg.listen}:{cfg.port}, backend {cfg.backend} ({caps}), data {cfg.data_dir}"
     )
+    if tls is not None:
+        click.echo(f"TLS, clients {'need' if cfg.tls_ca_file else 'need no'} certificate")
+    if auth is not None:
+        click.echo(f"clients log in with a user from {cfg.auth_users_file}")
     for pattern, values in cfg.queues:
         settings = ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in values.items())
         click.echo(f'queues."{pattern}": {settings}')
