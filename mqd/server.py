@@ -50,10 +50,12 @@ INPUT_HIGH = 1 << 20  # ... or bytes of input behind them
 WRITE_HIGH = 256 * 1024  # unsent reply bytes above which a connection runs no more commands
 GET_PIECE = 32  # keys of a many-key get run at a time, so its reply is built in pieces
 FLUSH_AT = 64 * 1024  # gathered reply bytes sent at once rather than at the end of a batch
-ADMIT_GRACE = 0.5  # seconds a connection over max_connections waits for a slot ...
+ADMIT_GRACE = 0.25  # seconds a connection over max_connections waits for a slot ...
 ADMIT_RETRY = 0.05  # ... looking every this often
-REFUSED_LINGER = 1.0  # seconds a refused client has to read its error line
-DESCRIPTOR_RESERVE = 64  # descriptors kept for the backend and listeners beyond those open
+REFUSED_LINGER = 0.5  # seconds a refused client has to read its error line
+# Descriptors kept beyond those open at start: for the backend's files, and
+# (an eighth of the limit) for clients that are being refused.
+DESCRIPTOR_RESERVE = 64
 TOO_MANY_CONNECTIONS = b"ERROR Too many open connections\r\n"
 END = REPLY["end"]
 UNAUTHENTICATED = b"CLIENT_ERROR unauthenticated\r\n"
@@ -458,7 +460,7 @@ class Server:
 
     def _fit_descriptors(self, limit: int) -> None:
         """Lower max_connections to what the descriptor limit leaves (one line says so)."""
-        reserve = descriptors_in_use() + DESCRIPTOR_RESERVE
+        reserve = descriptors_in_use() + DESCRIPTOR_RESERVE + limit // 8
         fits = max(1, limit - reserve)
         if fits < self.config.max_connections:
             log.warning(
