@@ -6,8 +6,9 @@ Three cases, each on a fresh `mqd serve` (memory backend unless said):
 - 3,000 pipelined `get q/peek` of a 64 KiB message, sent before reading;
 - one line `get q/peek q/peek ...` of 4,000 keys;
 - `--connections` clients against a daemon started with `ulimit -n 1024`
-  (bdb backend), for `--seconds`: how many were served, refused or left
-  without an answer, and how many bytes of log that made.
+  (bdb backend), for `--seconds`, under uvloop and asyncio: how many were
+  served, refused, reset or left without an answer, and how many bytes of
+  log that made.
 Peak memory is the daemon's VmHWM (Linux). Set PYTHONPATH to another
 checkout's root to measure that one instead.
 """
@@ -63,8 +64,9 @@ class Limited(Daemon):
         return ["prlimit", "--nofile=1024:1024", "--", *super().command()]
 
 
-def descriptor_case(connections: int, seconds: float) -> dict[str, int]:
-    with tempfile.TemporaryDirectory() as tmp, Limited(Path(tmp), backend="bdb") as d:
+def descriptor_case(connections: int, seconds: float, loop: str) -> dict[str, int]:
+    env = {"MQD_LOOP": loop}
+    with tempfile.TemporaryDirectory() as tmp, Limited(Path(tmp), backend="bdb", env=env) as d:
         socks = []
         for _ in range(connections):
             try:
@@ -111,13 +113,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--connections", type=int, default=3000)
+    parser.add_argument("--only-descriptors", action="store_true")
     args = parser.parse_args()
-    base, peak = reply_case(b"get q/peek\r\n" * 3000, 3000)
-    print(f"3000 pipelined peeks of 64 KiB: base {base:.0f} MiB, peak {peak:.0f} MiB")
-    base, peak = reply_case(b"get" + b" q/peek" * 4000 + b"\r\n", 4000)
-    print(f"one get of 4000 peek keys:      base {base:.0f} MiB, peak {peak:.0f} MiB")
-    outcome = descriptor_case(args.connections, args.seconds)
-    print(f"{args.connections} connections, ulimit -n 1024, {args.seconds:g} s: {outcome}")
+    if not args.only_descriptors:
+        base, peak = reply_case(b"get q/peek\r\n" * 3000, 3000)
+        print(f"3000 pipelined peeks of 64 KiB: base {base:.0f} MiB, peak {peak:.0f} MiB")
+        base, peak = reply_case(b"get" + b" q/peek" * 4000 + b"\r\n", 4000)
+        print(f"one get of 4000 peek keys:      base {base:.0f} MiB, peak {peak:.0f} MiB")
+    for loop in ("uvloop", "asyncio"):
+        outcome = descriptor_case(args.connections, args.seconds, loop)
+        print(f"{args.connections} connections, ulimit -n 1024, {loop}: {outcome}")
 
 
 if __name__ == "__main__":

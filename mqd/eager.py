@@ -22,6 +22,19 @@ def run_eagerly(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
     return asyncio.get_running_loop().create_task(finish(coro, waiting_on))
 
 
+def start(coro: Coroutine[Any, Any, T]) -> tuple[bool, Any]:
+    """Run `coro` now until it first waits: (True, its result) or (False, a task finishing it).
+
+    No tuple of futures: a command that never waits (most, on the memory
+    backend) costs no allocation beyond the tuple.
+    """
+    try:
+        waiting_on = coro.send(None)
+    except StopIteration as stop:
+        return True, stop.value
+    return False, asyncio.get_running_loop().create_task(finish(coro, waiting_on))
+
+
 async def finish(step: Coroutine[Any, Any, T], waiting_on: Any) -> T:
     """Drive a coroutine that was started by hand and suspended on `waiting_on`.
 

@@ -26,7 +26,7 @@ from mqd import __version__, protocol, security
 from mqd.backend import Backend
 from mqd.broker import Broker, Session
 from mqd.config import Config
-from mqd.eager import run_eagerly
+from mqd.eager import run_eagerly, start
 from mqd.errors import ConfigError, ProtocolError, ServerError, StorageError, UnknownCommand
 from mqd.listener import Listener, Throttled, descriptors_in_use, raise_descriptor_limit
 from mqd.protocol import (
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 PENDING_HIGH = 4096  # parsed commands waiting on one connection before it stops reading
 INPUT_HIGH = 1 << 20  # ... or bytes of input behind them
 WRITE_HIGH = 256 * 1024  # unsent reply bytes above which a connection runs no more commands
+GROUP_MAX = 32  # sets and plain gets of one pipeline started together, at most
 GET_PIECE = 32  # keys of a many-key get run at a time, so its reply is built in pieces
 FLUSH_AT = 64 * 1024  # gathered reply bytes sent at once rather than at the end of a batch
 ADMIT_GRACE = 0.25  # seconds a connection over max_connections waits for a slot ...
@@ -212,50 +213,27 @@ class Connection(asyncio.Protocol):
             self.task = None
 
     async def drain(self) -> None:
-        """Run every pending command in order, gathering replies; then send them."""
+        """Run every pending command in order, gathering replies; then send them.
+
+        Consecutive sets and plain gets are started together (see
+        `_run_group`); every other command waits for those before it.
+        """
         pending = self.pending
-        out = self.out
-        broker = self.broker
         while pending and not self.closed:
             if self._writable is not None:  # the client is not reading its replies
                 self.flush()
                 await self._writable
             command = pending.popleft()
-            kind = type(command)
+            reply: bytes | None
             if self.locked:
-                reply = self._login(command)
-                if reply:
-                    out.append(reply)
-                    continue
-            try:
-                # The two commands that carry the load skip the dispatch table.
-                if kind is Store:
-                    reply = await broker.store(command)  # type: ignore[arg-type]
-                    if command.noreply:  # type: ignore[union-attr]
-                        continue
-                elif kind is Retrieve:
-                    keys = command.keys  # type: ignore[union-attr]
-                    if len(keys) > GET_PIECE and all(k.plain or k.peek or k.at for k in keys):
-                        reply = await self._retrieve_in_pieces(command)  # type: ignore[arg-type]
-                    else:
-                        reply = await broker.retrieve(command, self.session)  # type: ignore[arg-type]
-                else:
-                    result = await _DISPATCH[kind](self, command)
-                    if result is None:
-                        continue
-                    reply = result
-            except ProtocolError as error:
-                if not getattr(command, "noreply", False):
-                    out.append(protocol.error_line(error))
+                reply = self._login(command) or await self._execute(command)
+            elif pending and _groups(command) and _groups(pending[0]):
+                await self._run_group(command)
                 continue
-            except Exception:
-                log.exception("command failed: %r", command)
-                out.append(protocol.error_line(ServerError("internal error")))
-                continue
-            out.append(reply)
-            self.out_bytes += len(reply)
-            if self.out_bytes >= FLUSH_AT:
-                self.flush()
+            else:
+                reply = await self._execute(command)
+            if reply:
+                self._emit(reply)
         self.flush()
         self.pending_bytes = 0
         if self._reading_paused and not self.closed:
@@ -264,6 +242,64 @@ class Connection(asyncio.Protocol):
             self._reading_paused = False
             if self.parser.partial:
                 self.command_started = time.monotonic()
+
+    async def _execute(self, command: protocol.Command) -> bytes | None:
+        """Run one command: its reply, or None when it has none (noreply)."""
+        kind = type(command)
+        try:
+            # The two commands that carry the load skip the dispatch table.
+            if kind is Store:
+                reply = await self.broker.store(command)  # type: ignore[arg-type]
+                return None if command.noreply else reply  # type: ignore[union-attr]
+            if kind is Retrieve:
+                keys = command.keys  # type: ignore[union-attr]
+                if len(keys) > GET_PIECE and all(k.plain or k.peek or k.at for k in keys):
+                    return await self._retrieve_in_pieces(command)  # type: ignore[arg-type]
+                return await self.broker.retrieve(command, self.session)  # type: ignore[arg-type]
+            return await _DISPATCH[kind](self, command)
+        except ProtocolError as error:
+            return None if getattr(command, "noreply", False) else protocol.error_line(error)
+        except Exception:
+            log.exception("command failed: %r", command)
+            return protocol.error_line(ServerError("internal error"))
+
+    async def _run_group(self, first: protocol.Command) -> None:
+        """Start `first` and the sets and plain gets right behind it together; reply in order.
+
+        Each is run now up to its first wait, in order, so their storage calls
+        are made in this turn of the loop, in order: a backend that commits
+        in groups commits them together instead of one flush per command.
+        Replies still go out in order, each once its command is complete.
+        A get of a queue that a limited set of the group writes ends the
+        group: such a set waits for the queue's size before it stores.
+        """
+        pending = self.pending
+        started = [start(self._execute(first))]
+        limited = self._limited(first)
+        while pending and len(started) < GROUP_MAX and _groups(pending[0]):
+            command = pending[0]
+            if type(command) is Retrieve and command.keys[0].queue in limited:
+                break
+            pending.popleft()
+            started.append(start(self._execute(command)))
+            limited |= self._limited(command)
+        for done, outcome in started:
+            reply = outcome if done else await outcome
+            if reply:
+                self._emit(reply)
+
+    def _limited(self, command: protocol.Command) -> set[str]:
+        if type(command) is Store:
+            settings = self.broker.settings(command.queue)
+            if settings.max_items or settings.max_bytes:
+                return {command.queue}
+        return set()
+
+    def _emit(self, reply: bytes) -> None:
+        self.out.append(reply)
+        self.out_bytes += len(reply)
+        if self.out_bytes >= FLUSH_AT:
+            self.flush()
 
     def flush(self) -> None:
         """Send every reply gathered so far."""
@@ -280,8 +316,8 @@ class Connection(asyncio.Protocol):
         piece's values, and the next piece waits while the client is not reading.
         """
         keys = command.keys
-        for start in range(0, len(keys), GET_PIECE):
-            piece = Retrieve(keys[start : start + GET_PIECE], command.with_ids)
+        for first in range(0, len(keys), GET_PIECE):
+            piece = Retrieve(keys[first : first + GET_PIECE], command.with_ids)
             values = await self.broker.retrieve(piece, self.session)
             self.out.append(values[: -len(END)])  # each piece's reply ends in END
             self.flush()
@@ -355,6 +391,14 @@ class Connection(asyncio.Protocol):
             self.out.append(protocol.error_line(command.error))
         if command.close:
             self.close()
+
+
+def _groups(command: protocol.Command) -> bool:
+    """Whether `command` may start before the one ahead of it completes."""
+    kind = type(command)
+    return kind is Store or (
+        kind is Retrieve and len(command.keys) == 1 and command.keys[0].plain  # type: ignore[union-attr]
+    )
 
 
 _Handler = Callable[[Connection, Any], Awaitable[bytes | None]]

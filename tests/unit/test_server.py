@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mqd.backend import Capability, StorageOptions
+from mqd.backend import Capability, Message, StorageOptions, Sync
 from mqd.backends.memory import MemoryBackend
 from mqd.config import Config
 from mqd.server import Connection, Server
@@ -58,6 +58,87 @@ async def converse(
         while connection.task is not None:
             await asyncio.sleep(0.001)
     return bytes(transport.written)
+
+
+class GroupCommit(MemoryBackend):
+    """A memory backend whose puts and takes complete together at the end of a loop turn.
+
+    As a group-commit backend does: every call made in one turn shares one
+    flush, counted in `flushes`.
+    """
+
+    name = "group-commit"
+
+    def __init__(self, options: StorageOptions) -> None:
+        super().__init__(options)
+        self.flushes = 0
+        self.calls: list[str] = []
+        self._batch: list[asyncio.Future[None]] = []
+
+    async def _flush_later(self, what: str) -> None:
+        self.calls.append(what)
+        future = asyncio.get_running_loop().create_future()
+        if not self._batch:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._batch.append(future)
+        await future
+
+    def _flush(self) -> None:
+        self.flushes += 1
+        batch, self._batch = self._batch, []
+        for future in batch:
+            future.set_result(None)
+
+    async def put(self, queue: str, message: Message, *, unique: bool, sync: Sync) -> int | None:
+        offset = await super().put(queue, message, unique=unique, sync=sync)
+        await self._flush_later(f"put {queue} {message.body.decode()}")
+        return offset
+
+    async def take(self, queue: str, *, sync: Sync) -> Message | None:
+        message = await super().take(queue, sync=sync)
+        await self._flush_later(f"take {queue}")
+        return message
+
+
+def test_pipelined_sets_and_gets_share_one_flush_and_reply_in_order() -> None:
+    backend = GroupCommit(StorageOptions())
+    sets = b"".join(b"set p%d 0 0 1\r\n%d\r\n" % (i % 2, i) for i in range(10))
+    gets = b"get p0\r\nget p1\r\nget p0\r\n"
+    reply = talk([sets + gets + b"delete p1\r\nset p0 0 0 1\r\nz\r\nget p0\r\n"], backend=backend)
+    assert reply == (
+        b"STORED\r\n" * 10
+        + b"VALUE p0 0 1\r\n0\r\nEND\r\nVALUE p1 0 1\r\n1\r\nEND\r\nVALUE p0 0 1\r\n2\r\nEND\r\n"
+        + b"DELETED\r\nSTORED\r\nVALUE p0 0 1\r\n4\r\nEND\r\n"
+    )
+    # The 13 sets and gets before `delete` reached the backend in order, in
+    # one turn (one flush); delete waited for them; the last two shared one.
+    assert backend.calls[:13] == [f"put p{i % 2} {i}" for i in range(10)] + [
+        "take p0",
+        "take p1",
+        "take p0",
+    ]
+    assert backend.flushes == 2
+
+
+def test_a_get_that_may_wait_waits_for_the_sets_before_it() -> None:
+    backend = GroupCommit(StorageOptions())
+    reply = talk(
+        [b"set w 0 0 1\r\na\r\nset w 0 0 1\r\nb\r\nget w/t=10\r\nget w/open\r\nget w\r\n"],
+        backend=backend,
+    )
+    assert reply == (
+        b"STORED\r\nSTORED\r\nVALUE w/t=10 0 1\r\na\r\nEND\r\nVALUE w/open 0 1\r\nb\r\nEND\r\n"
+        b"END\r\n"
+    )
+
+
+def test_a_limited_queue_keeps_a_get_behind_its_set() -> None:
+    backend = GroupCommit(StorageOptions())
+    chunk = b"set lim 0 0 1\r\n1\r\nget lim\r\nset lim 0 0 1\r\n2\r\nget lim\r\n"
+    reply = talk([chunk], backend=backend, queues=(("lim", {"max_items": 5}),))
+    assert (
+        reply == b"STORED\r\nVALUE lim 0 1\r\n1\r\nEND\r\nSTORED\r\nVALUE lim 0 1\r\n2\r\nEND\r\n"
+    )
 
 
 def talk(chunks: list[bytes], **kwargs: Any) -> bytes:
