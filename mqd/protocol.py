@@ -395,13 +395,14 @@ class Parser:
     def _set(self, tokens: list[bytes], body: bytes) -> Store | None:
         """A plain `set` whose block is complete, or None to take the general path."""
         queue = self._names.get(tokens[1])
-        flags = _unsigned(tokens[2], MAX_FLAGS)
-        exptime = _signed(tokens[3])
-        if queue is None or flags is None or exptime is None:
+        flags, exptime = tokens[2], tokens[3]
+        # Only what is surely in range here (9 digits < 2**32, 18 < 2**63);
+        # anything else takes the general path, whose checks are the rule.
+        if queue is None or not flags.isdigit() or not exptime.isdigit():
             return None
-        if len(body) > self.max_item_size:
+        if len(flags) > 9 or len(exptime) > 18 or len(body) > self.max_item_size:
             return None
-        return Store(False, queue, flags, exptime, body, False)
+        return Store(False, queue, int(flags), int(exptime), body, False)
 
     def _name(self, raw: bytes) -> str | None:
         names = self._names

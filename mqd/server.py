@@ -202,15 +202,7 @@ class Connection(asyncio.Protocol):
         message), and running them directly here saves creating a task for
         every read, which costs more than parsing and executing a command.
         """
-        self.task = run_eagerly(self._run())
-
-    async def _run(self) -> None:
-        try:
-            await self.drain()
-        except asyncio.CancelledError:
-            pass
-        finally:
-            self.task = None
+        self.task = run_eagerly(self.drain())
 
     async def drain(self) -> None:
         """Run every pending command in order, gathering replies; then send them.
@@ -218,30 +210,35 @@ class Connection(asyncio.Protocol):
         Consecutive sets and plain gets are started together (see
         `_run_group`); every other command waits for those before it.
         """
-        pending = self.pending
-        while pending and not self.closed:
-            if self._writable is not None:  # the client is not reading its replies
-                self.flush()
-                await self._writable
-            command = pending.popleft()
-            reply: bytes | None
-            if self.locked:
-                reply = self._login(command) or await self._execute(command)
-            elif pending and _groups(command) and _groups(pending[0]):
-                await self._run_group(command)
-                continue
-            else:
-                reply = await self._execute(command)
-            if reply:
-                self._emit(reply)
-        self.flush()
-        self.pending_bytes = 0
-        if self._reading_paused and not self.closed:
-            assert self.transport is not None
-            self.transport.resume_reading()
-            self._reading_paused = False
-            if self.parser.partial:
-                self.command_started = time.monotonic()
+        try:
+            pending = self.pending
+            while pending and not self.closed:
+                if self._writable is not None:  # the client is not reading its replies
+                    self.flush()
+                    await self._writable
+                command = pending.popleft()
+                reply: bytes | None
+                if self.locked:
+                    reply = self._login(command) or await self._execute(command)
+                elif pending and _groups(command) and _groups(pending[0]):
+                    await self._run_group(command)
+                    continue
+                else:
+                    reply = await self._execute(command)
+                if reply:
+                    self._emit(reply)
+            self.flush()
+            self.pending_bytes = 0
+            if self._reading_paused and not self.closed:
+                assert self.transport is not None
+                self.transport.resume_reading()
+                self._reading_paused = False
+                if self.parser.partial:
+                    self.command_started = time.monotonic()
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self.task = None
 
     async def _execute(self, command: protocol.Command) -> bytes | None:
         """Run one command: its reply, or None when it has none (noreply)."""
@@ -274,26 +271,30 @@ class Connection(asyncio.Protocol):
         group: such a set waits for the queue's size before it stores.
         """
         pending = self.pending
-        started = [start(self._execute(first))]
-        limited = self._limited(first)
-        while pending and len(started) < GROUP_MAX and _groups(pending[0]):
+        execute = self._execute
+        settings = self.broker.settings
+        limited: set[str] = set()
+        started = []
+        command = first
+        while True:
+            if type(command) is Store:
+                queue = command.queue
+                queue_settings = settings(queue)
+                if queue_settings.max_items or queue_settings.max_bytes:
+                    limited.add(queue)
+            started.append(start(execute(command)))
+            if not pending or len(started) >= GROUP_MAX:
+                break
             command = pending[0]
-            if type(command) is Retrieve and command.keys[0].queue in limited:
+            if not _groups(command) or (
+                type(command) is Retrieve and command.keys[0].queue in limited
+            ):
                 break
             pending.popleft()
-            started.append(start(self._execute(command)))
-            limited |= self._limited(command)
         for done, outcome in started:
             reply = outcome if done else await outcome
             if reply:
                 self._emit(reply)
-
-    def _limited(self, command: protocol.Command) -> set[str]:
-        if type(command) is Store:
-            settings = self.broker.settings(command.queue)
-            if settings.max_items or settings.max_bytes:
-                return {command.queue}
-        return set()
 
     def _emit(self, reply: bytes) -> None:
         self.out.append(reply)
