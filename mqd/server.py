@@ -254,6 +254,11 @@ class Connection(asyncio.Protocol):
                     return await self._retrieve_in_pieces(command)  # type: ignore[arg-type]
                 return await self.broker.retrieve(command, self.session)  # type: ignore[arg-type]
             return await _DISPATCH[kind](self, command)
+        except StorageError as error:
+            self.server.storage_failed(
+                "storage error in %s: %s", self.server.config.data_dir, error
+            )
+            return None if getattr(command, "noreply", False) else protocol.error_line(error)
         except ProtocolError as error:
             return None if getattr(command, "noreply", False) else protocol.error_line(error)
         except Exception:
@@ -429,6 +434,7 @@ class Server:
         self.reload = reload
         self.authenticator = security.authenticator(config)
         self.auth_failures = Throttled(log, logging.WARNING)
+        self.storage_failed = Throttled(log, logging.ERROR)
         self.max_connections = config.max_connections  # lowered to fit the descriptor limit
         self.refused = Throttled(log, logging.WARNING)
         self._slow = Throttled(log, logging.INFO)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mqd.backend import Capability, Message, StorageOptions, Sync
 from mqd.backends.memory import MemoryBackend
 from mqd.config import Config
+from mqd.errors import StorageError
 from mqd.server import Connection, Server
 
 
@@ -139,6 +142,19 @@ def test_a_limited_queue_keeps_a_get_behind_its_set() -> None:
     assert (
         reply == b"STORED\r\nVALUE lim 0 1\r\n1\r\nEND\r\nSTORED\r\nVALUE lim 0 1\r\n2\r\nEND\r\n"
     )
+
+
+class ReadOnly(MemoryBackend):
+    async def put(self, queue: str, message: Message, *, unique: bool, sync: Sync) -> int | None:
+        raise StorageError("read-only file system")
+
+
+def test_storage_errors_are_logged_naming_the_data_dir(caplog: pytest.LogCaptureFixture) -> None:
+    backend = ReadOnly(StorageOptions())
+    reply = talk([b"set r 0 0 1\r\nx\r\n" * 3], backend=backend, data_dir=Path("/srv/mqd"))
+    assert reply == b"SERVER_ERROR read-only file system\r\n" * 3
+    lines = [r.getMessage() for r in caplog.records if "storage error" in r.getMessage()]
+    assert lines == ["storage error in /srv/mqd: read-only file system"]  # repeats held back
 
 
 def talk(chunks: list[bytes], **kwargs: Any) -> bytes:
