@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from mqd.backend import Capability, Message, StorageOptions, Sync
 from mqd.backends.memory import MemoryBackend
 from mqd.config import Config
+from mqd.connection import Connection
 from mqd.errors import StorageError
-from mqd.server import Connection, Server
+from mqd.server import Server
 
 
 class FakeTransport:

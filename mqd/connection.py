@@ -1,0 +1,412 @@
+"""One memcached-protocol client connection: parsed commands in, replies out, bounded.
+
+Each connection runs its commands strictly in order; replies are gathered and
+written once per batch of input, which is what makes pipelining cheap, and
+consecutive sets and plain gets are started together so a group-commit
+backend flushes once for them. What one client can make the daemon hold is
+bounded: a connection stops reading while many parsed commands wait, and runs
+no more commands while its unsent replies pass WRITE_HIGH.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, cast
+
+from mqd import __version__, protocol
+from mqd.broker import Session
+from mqd.eager import run_eagerly, start
+from mqd.errors import ProtocolError, ServerError, StorageError, UnknownCommand
+from mqd.protocol import (
+    REPLY,
+    Delete,
+    Failed,
+    FlushAll,
+    Quit,
+    Retrieve,
+    Shutdown,
+    Stats,
+    Store,
+    Verbosity,
+    Version,
+)
+
+if TYPE_CHECKING:
+    from mqd.server import Server
+
+log = logging.getLogger(__name__)
+
+PENDING_HIGH = 4096  # parsed commands waiting on one connection before it stops reading
+INPUT_HIGH = 1 << 20  # ... or bytes of input behind them
+WRITE_HIGH = 256 * 1024  # unsent reply bytes above which a connection runs no more commands
+GROUP_MAX = 32  # sets and plain gets of one pipeline started together, at most
+GET_PIECE = 32  # keys of a many-key get run at a time, so its reply is built in pieces
+FLUSH_AT = 64 * 1024  # gathered reply bytes sent at once rather than at the end of a batch
+ADMIT_GRACE = 0.25  # seconds a connection over max_connections waits for a slot ...
+ADMIT_RETRY = 0.05  # ... looking every this often
+REFUSED_LINGER = 0.5  # seconds a refused client has to read its error line
+TOO_MANY_CONNECTIONS = b"ERROR Too many open connections\r\n"
+END = REPLY["end"]
+UNAUTHENTICATED = b"CLIENT_ERROR unauthenticated\r\n"
+BAD_TOKEN = b"CLIENT_ERROR bad authentication token format\r\n"
+AUTH_FAILED = b"CLIENT_ERROR authentication failure\r\n"
+
+
+class Connection(asyncio.Protocol):
+    """One client connection."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.broker = server.broker
+        self.parser = protocol.Parser(server.config.max_item_size)
+        self.session = Session(self.flush)
+        self.transport: asyncio.Transport | None = None
+        self.pending: deque[protocol.Command] = deque()
+        self.out: list[bytes] = []
+        self.task: asyncio.Task[None] | None = None
+        self.closed = True  # until admitted: nothing it sends is run
+        self.admitted = False
+        self.early: list[bytes] | None = []  # input before admission; None once refused
+        self.locked = server.authenticator is not None  # until the client logs in
+        self.last_active = time.monotonic()  # when the last complete command arrived
+        self.command_started = 0.0  # when the command still arriving began; 0: none
+        self.pending_bytes = 0
+        self.out_bytes = 0
+        self._writable: asyncio.Future[None] | None = None
+        self._reading_paused = False
+
+    # -- asyncio.Protocol ----------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport, hence the cast.
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH)
+        if self.server.admit(self):
+            self.admitted, self.closed = True, False
+            return
+        # Clients that just left may not be counted out yet (their end of
+        # file is read later): wait a moment for a slot before refusing.
+        self.transport.pause_reading()
+        self.server.loop.call_later(ADMIT_RETRY, self._admit_late, ADMIT_GRACE)
+
+    def _admit_late(self, left: float) -> None:
+        assert self.transport is not None
+        if self.transport.is_closing():
+            return
+        if not self.server.admit(self):
+            if left > 0:
+                self.server.loop.call_later(ADMIT_RETRY, self._admit_late, left - ADMIT_RETRY)
+            else:
+                self.transport.resume_reading()
+                self.refuse()
+            return
+        self.transport.resume_reading()
+        self.admitted, self.closed = True, False
+        early, self.early = self.early or [], None
+        for data in early:
+            self.data_received(data)
+
+    def refuse(self) -> None:
+        """Say why, then close once the client has read it (closing at once resets it)."""
+        assert self.transport is not None
+        self.early = None
+        self.server.refused(
+            "refused a connection: max_connections (%d) reached", len(self.server.connections)
+        )
+        self.transport.write(TOO_MANY_CONNECTIONS)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # the client sees the line, then EOF, and closes
+        self.server.loop.call_later(REFUSED_LINGER, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            # Before admission, kept (reading is paused, but not at once on
+            # every loop); once refused, read and dropped, so that no reset
+            # loses the error line.
+            if self.early is not None and not self.admitted:
+                self.early.append(data)
+                assert self.transport is not None
+                self.transport.pause_reading()
+            return
+        commands = self.parser.feed(data)
+        now = time.monotonic()
+        if not commands:
+            if not self.command_started:
+                self.command_started = now
+            return
+        self.last_active = now
+        self.command_started = now if self.parser.partial else 0.0
+        self.pending.extend(commands)
+        self.pending_bytes += len(data)
+        if (
+            len(self.pending) > PENDING_HIGH or self.pending_bytes > INPUT_HIGH
+        ) and not self._reading_paused:
+            assert self.transport is not None
+            self.transport.pause_reading()
+            self._reading_paused = True
+        if self.task is None:
+            self.process()
+
+    @property
+    def reading_paused(self) -> bool:
+        return self._reading_paused
+
+    @property
+    def blocked_on_client(self) -> bool:
+        """Whether replies wait for the client to read them."""
+        return self._writable is not None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.admitted:
+            return
+        self.server.forget(self)
+        waiter = self._writable
+        if waiter is not None and not waiter.done():
+            waiter.cancel()
+        self.broker.interrupt(self.session)
+        if self.task is None:
+            self.server.spawn(self.broker.end_session(self.session))
+        else:
+            # The running command finishes first, so nothing it took is lost.
+            self.task.add_done_callback(
+                lambda _: self.server.spawn(self.broker.end_session(self.session))
+            )
+
+    def pause_writing(self) -> None:
+        self._writable = self.server.loop.create_future()
+
+    def resume_writing(self) -> None:
+        waiter, self._writable = self._writable, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- running commands ----------------------------------------------------
+
+    def process(self) -> None:
+        """Run pending commands now, until one has to wait; a task finishes the rest.
+
+        Most commands never wait (the memory backend, a get that finds a
+        message), and running them directly here saves creating a task for
+        every read, which costs more than parsing and executing a command.
+        """
+        self.task = run_eagerly(self.drain())
+
+    async def drain(self) -> None:
+        """Run every pending command in order, gathering replies; then send them.
+
+        Consecutive sets and plain gets are started together (see
+        `_run_group`); every other command waits for those before it.
+        """
+        try:
+            pending = self.pending
+            while pending and not self.closed:
+                if self._writable is not None:  # the client is not reading its replies
+                    self.flush()
+                    await self._writable
+                command = pending.popleft()
+                reply: bytes | None
+                if self.locked:
+                    reply = self._login(command) or await self._execute(command)
+                elif pending and _groups(command) and _groups(pending[0]):
+                    await self._run_group(command)
+                    continue
+                else:
+                    reply = await self._execute(command)
+                if reply:
+                    self._emit(reply)
+            self.flush()
+            self.pending_bytes = 0
+            if self._reading_paused and not self.closed:
+                assert self.transport is not None
+                self.transport.resume_reading()
+                self._reading_paused = False
+                if self.parser.partial:
+                    self.command_started = time.monotonic()
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self.task = None
+
+    async def _execute(self, command: protocol.Command) -> bytes | None:
+        """Run one command: its reply, or None when it has none (noreply)."""
+        kind = type(command)
+        try:
+            # The two commands that carry the load skip the dispatch table.
+            if kind is Store:
+                reply = await self.broker.store(command)  # type: ignore[arg-type]
+                return None if command.noreply else reply  # type: ignore[union-attr]
+            if kind is Retrieve:
+                keys = command.keys  # type: ignore[union-attr]
+                if len(keys) > GET_PIECE and all(k.plain or k.peek or k.at for k in keys):
+                    return await self._retrieve_in_pieces(command)  # type: ignore[arg-type]
+                return await self.broker.retrieve(command, self.session)  # type: ignore[arg-type]
+            return await _DISPATCH[kind](self, command)
+        except StorageError as error:
+            self.server.storage_failed(
+                "storage error in %s: %s", self.server.config.data_dir, error
+            )
+            return None if getattr(command, "noreply", False) else protocol.error_line(error)
+        except ProtocolError as error:
+            return None if getattr(command, "noreply", False) else protocol.error_line(error)
+        except Exception:
+            log.exception("command failed: %r", command)
+            return protocol.error_line(ServerError("internal error"))
+
+    async def _run_group(self, first: protocol.Command) -> None:
+        """Start `first` and the sets and plain gets right behind it together; reply in order.
+
+        Each is run now up to its first wait, in order, so their storage calls
+        are made in this turn of the loop, in order: a backend that commits
+        in groups commits them together instead of one flush per command.
+        Replies still go out in order, each once its command is complete.
+        A get of a queue that a limited set of the group writes ends the
+        group: such a set waits for the queue's size before it stores.
+        """
+        pending = self.pending
+        execute = self._execute
+        settings = self.broker.settings
+        limited: set[str] = set()
+        started = []
+        command = first
+        while True:
+            if type(command) is Store:
+                queue = command.queue
+                queue_settings = settings(queue)
+                if queue_settings.max_items or queue_settings.max_bytes:
+                    limited.add(queue)
+            started.append(start(execute(command)))
+            if not pending or len(started) >= GROUP_MAX:
+                break
+            command = pending[0]
+            if not _groups(command) or (
+                type(command) is Retrieve and command.keys[0].queue in limited
+            ):
+                break
+            pending.popleft()
+        for done, outcome in started:
+            reply = outcome if done else await outcome
+            if reply:
+                self._emit(reply)
+
+    def _emit(self, reply: bytes) -> None:
+        self.out.append(reply)
+        self.out_bytes += len(reply)
+        if self.out_bytes >= FLUSH_AT:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send every reply gathered so far."""
+        out = self.out
+        if out and self.transport is not None and not self.closed:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        out.clear()
+        self.out_bytes = 0
+
+    async def _retrieve_in_pieces(self, command: Retrieve) -> bytes:
+        """A get of many keys that take or look without waiting, answered GET_PIECE keys at a time.
+
+        The reply bytes are those of the whole; what is held at once is one
+        piece's values, and the next piece waits while the client is not reading.
+        """
+        keys = command.keys
+        for first in range(0, len(keys), GET_PIECE):
+            piece = Retrieve(keys[first : first + GET_PIECE], command.with_ids)
+            values = await self.broker.retrieve(piece, self.session)
+            self.out.append(values[: -len(END)])  # each piece's reply ends in END
+            self.flush()
+            if self._writable is not None:
+                await self._writable
+        return END
+
+    def _login(self, command: protocol.Command) -> bytes:
+        """memcached's text-protocol login: the first `set`'s data is `<user> <password>`.
+
+        Returns the reply, or b"" for a command that runs anyway (a fatal parse error).
+        """
+        if isinstance(command, Failed) and command.close:
+            return b""
+        if not isinstance(command, Store) or command.add:
+            return UNAUTHENTICATED
+        user, space, password = command.body.partition(b" ")
+        if not space:
+            return BAD_TOKEN
+        assert self.server.authenticator is not None
+        if not self.server.authenticator.check(user, password):
+            self.server.auth_failures("authentication failed for user %r", user)
+            return AUTH_FAILED
+        self.locked = False
+        return REPLY["stored"]
+
+    def close(self) -> None:
+        self.flush()
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- one method per command type ----------------------------------------
+
+    async def _delete(self, command: Delete) -> bytes | None:
+        found = await self.broker.delete(command.queue)
+        if command.noreply:
+            return None
+        return REPLY["deleted"] if found else REPLY["not_found"]
+
+    async def _flush_all(self, command: FlushAll) -> bytes | None:
+        if command.delay:
+            self.broker.check_flush_all()
+            self.broker.flush_all_later(command.delay)
+        else:
+            await self.broker.flush_all()
+        return None if command.noreply else REPLY["ok"]
+
+    async def _stats(self, command: Stats) -> bytes:
+        return await self.broker.stats(command.args)
+
+    async def _version(self, command: Version) -> bytes:
+        return b"VERSION %b\r\n" % __version__.encode()
+
+    async def _verbosity(self, command: Verbosity) -> bytes | None:
+        return None if command.noreply else REPLY["ok"]
+
+    async def _quit(self, command: Quit) -> None:
+        self.close()
+
+    async def _shutdown(self, command: Shutdown) -> bytes:
+        if not self.server.config.allow_shutdown:
+            raise UnknownCommand()
+        self.out.append(REPLY["ok"])
+        self.flush()
+        self.server.request_stop("shutdown command")
+        return b""
+
+    async def _failed(self, command: Failed) -> None:
+        if not command.noreply:
+            self.out.append(protocol.error_line(command.error))
+        if command.close:
+            self.close()
+
+
+def _groups(command: protocol.Command) -> bool:
+    """Whether `command` may start before the one ahead of it completes."""
+    kind = type(command)
+    return kind is Store or (
+        kind is Retrieve and len(command.keys) == 1 and command.keys[0].plain  # type: ignore[union-attr]
+    )
+
+
+_Handler = Callable[[Connection, Any], Awaitable[bytes | None]]
+_DISPATCH: dict[type, _Handler] = {
+    Delete: Connection._delete,
+    FlushAll: Connection._flush_all,
+    Stats: Connection._stats,
+    Version: Connection._version,
+    Verbosity: Connection._verbosity,
+    Quit: Connection._quit,
+    Shutdown: Connection._shutdown,
+    Failed: Connection._failed,
+}
