@@ -350,7 +350,7 @@ def _from_text(key: str, override: Override) -> Any:
     value: object = override.text
     if kind in ("port", "positive", "count") and text.lstrip("+-").isdigit():
         value = int(text)
-    elif kind == "number" and _NUMERIC.fullmatch(text):
+    elif kind in ("number", "positive_number") and _NUMERIC.fullmatch(text):
         value = float(text)
     elif kind == "boolean" and text.lower() in ("true", "false"):
         value = text.lower() == "true"

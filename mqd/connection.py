@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from mqd import __version__, protocol
+from mqd.backend import Put
 from mqd.broker import Session
 from mqd.eager import run_eagerly, start
 from mqd.errors import ProtocolError, ServerError, StorageError, UnknownCommand
@@ -27,6 +28,7 @@ from mqd.protocol import (
     Failed,
     FlushAll,
     Quit,
+    Redrive,
     Retrieve,
     Shutdown,
     Stats,
@@ -51,6 +53,7 @@ ADMIT_RETRY = 0.05  # ... looking every this often
 REFUSED_LINGER = 0.5  # seconds a refused client has to read its error line
 TOO_MANY_CONNECTIONS = b"ERROR Too many open connections\r\n"
 END = REPLY["end"]
+STORED = REPLY["stored"]
 UNAUTHENTICATED = b"CLIENT_ERROR unauthenticated\r\n"
 BAD_TOKEN = b"CLIENT_ERROR bad authentication token format\r\n"
 AUTH_FAILED = b"CLIENT_ERROR authentication failure\r\n"
@@ -238,13 +241,18 @@ class Connection(asyncio.Protocol):
         try:
             # The two commands that carry the load skip the dispatch table.
             if kind is Store:
-                reply = await self.broker.store(command)  # type: ignore[arg-type]
-                return None if command.noreply else reply  # type: ignore[union-attr]
+                stored = await self.broker.store(command)  # type: ignore[arg-type]
+                if command.noreply:  # type: ignore[union-attr]
+                    return None
+                if stored is Put.STORED:
+                    return STORED
+                return protocol.store_reply(command, stored)  # type: ignore[arg-type]
             if kind is Retrieve:
                 keys = command.keys  # type: ignore[union-attr]
                 if len(keys) > GET_PIECE and all(k.plain or k.peek or k.at for k in keys):
                     return await self._retrieve_in_pieces(command)  # type: ignore[arg-type]
-                return await self.broker.retrieve(command, self.session)  # type: ignore[arg-type]
+                hits = await self.broker.retrieve(command, self.session)  # type: ignore[arg-type]
+                return protocol.values_reply(hits, command.with_ids)  # type: ignore[union-attr]
             return await _DISPATCH[kind](self, command)
         except StorageError as error:
             self.server.storage_failed(
@@ -264,30 +272,12 @@ class Connection(asyncio.Protocol):
         are made in this turn of the loop, in order: a backend that commits
         in groups commits them together instead of one flush per command.
         Replies still go out in order, each once its command is complete.
-        A get of a queue that a limited set of the group writes ends the
-        group: such a set waits for the queue's size before it stores.
         """
         pending = self.pending
         execute = self._execute
-        settings = self.broker.settings
-        limited: set[str] = set()
-        started = []
-        command = first
-        while True:
-            if type(command) is Store:
-                queue = command.queue
-                queue_settings = settings(queue)
-                if queue_settings.max_items or queue_settings.max_bytes:
-                    limited.add(queue)
-            started.append(start(execute(command)))
-            if not pending or len(started) >= GROUP_MAX:
-                break
-            command = pending[0]
-            if not _groups(command) or (
-                type(command) is Retrieve and command.keys[0].queue in limited
-            ):
-                break
-            pending.popleft()
+        started = [start(execute(first))]
+        while pending and len(started) < GROUP_MAX and _groups(pending[0]):
+            started.append(start(execute(pending.popleft())))
         for done, outcome in started:
             reply = outcome if done else await outcome
             if reply:
@@ -316,8 +306,8 @@ class Connection(asyncio.Protocol):
         keys = command.keys
         for first in range(0, len(keys), GET_PIECE):
             piece = Retrieve(keys[first : first + GET_PIECE], command.with_ids)
-            values = await self.broker.retrieve(piece, self.session)
-            self.out.append(values[: -len(END)])  # each piece's reply ends in END
+            hits = await self.broker.retrieve(piece, self.session)
+            self.out.append(protocol.values_reply(hits, command.with_ids)[: -len(END)])
             self.flush()
             if self._writable is not None:
                 await self._writable
@@ -358,14 +348,23 @@ class Connection(asyncio.Protocol):
 
     async def _flush_all(self, command: FlushAll) -> bytes | None:
         if command.delay:
-            self.broker.check_flush_all()
             self.broker.flush_all_later(command.delay)
         else:
             await self.broker.flush_all()
         return None if command.noreply else REPLY["ok"]
 
+    async def _redrive(self, command: Redrive) -> bytes:
+        moved = await self.broker.redrive(command.dead, command.limit, command.to)
+        return protocol.moved_reply(moved)
+
     async def _stats(self, command: Stats) -> bytes:
-        return await self.broker.stats(command.args)
+        if command.args == (b"reset",):
+            self.broker.reset_stats()
+            return REPLY["reset"]
+        if len(command.args) > 1:
+            raise UnknownCommand()
+        group = command.args[0].decode("ascii", "replace") if command.args else ""
+        return protocol.stats_reply(await self.broker.stats(group))
 
     async def _version(self, command: Version) -> bytes:
         return b"VERSION %b\r\n" % __version__.encode()
@@ -403,6 +402,7 @@ _Handler = Callable[[Connection, Any], Awaitable[bytes | None]]
 _DISPATCH: dict[type, _Handler] = {
     Delete: Connection._delete,
     FlushAll: Connection._flush_all,
+    Redrive: Connection._redrive,
     Stats: Connection._stats,
     Version: Connection._version,
     Verbosity: Connection._verbosity,

@@ -89,11 +89,12 @@ class Server:
         limit = raise_descriptor_limit()
         try:
             await self.broker.start()
-        except StorageError as error:
+        except (StorageError, OSError) as error:
             where = str(self.config.data_dir)
-            if where in str(error):
+            if isinstance(error, StorageError) and where in str(error):
                 raise
-            raise StorageError(f"{where}: {error}") from error
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+            raise StorageError(f"{where}: {reason}") from error
         self._fit_descriptors(limit)
         listener = Listener.open(
             self.config.listen, self.config.port, lambda: Connection(self), tls

@@ -182,7 +182,7 @@ def test_flags_and_environment_are_validated_like_the_file(
 
 
 def test_data_dir_default_is_the_same_in_help_and_example() -> None:
-    example = (Path(__file__).parent.parent / "etc" / "mqd.toml").read_text()
+    example = (Path(__file__).parents[2] / "etc" / "mqd.toml").read_text()
     help_text = " ".join(mqd("serve", "--help").stdout.split())
     assert "[default: data; etc/mqd.toml sets /var/lib/mqd]" in help_text
     assert 'data_dir = "/var/lib/mqd"' in example

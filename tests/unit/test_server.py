@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mqd.backend import Capability, Message, StorageOptions, Sync
+from mqd.backend import Capability, Message, Put, StorageOptions, Sync
 from mqd.backends.memory import MemoryBackend
 from mqd.config import Config
 from mqd.connection import Connection
@@ -93,10 +93,10 @@ class GroupCommit(MemoryBackend):
         for future in batch:
             future.set_result(None)
 
-    async def put(self, queue: str, message: Message, *, unique: bool, sync: Sync) -> int | None:
-        offset = await super().put(queue, message, unique=unique, sync=sync)
+    async def put(self, queue: str, message: Message, **options: Any) -> Put:
+        result = await super().put(queue, message, **options)
         await self._flush_later(f"put {queue} {message.body.decode()}")
-        return offset
+        return result
 
     async def take(self, queue: str, *, sync: Sync) -> Message | None:
         message = await super().take(queue, sync=sync)
@@ -146,7 +146,7 @@ def test_a_limited_queue_keeps_a_get_behind_its_set() -> None:
 
 
 class ReadOnly(MemoryBackend):
-    async def put(self, queue: str, message: Message, *, unique: bool, sync: Sync) -> int | None:
+    async def put(self, queue: str, message: Message, **options: Any) -> Put:
         raise StorageError("read-only file system")
 
 

@@ -177,7 +177,7 @@ def test_bad_tls_files_are_config_errors(tmp_path: Path, certs: Certs) -> None:
         for command in ("check-config", "serve"):
             result = subprocess.run(
                 [sys.executable, "-m", "mqd", command, "-c", str(config)]
-                + ([] if command == "check-config" else ["--port", "0"]),
+                + ([] if command == "check-config" else ["--port", "0", "--backend", "memory"]),
                 capture_output=True,
                 text=True,
                 timeout=60,

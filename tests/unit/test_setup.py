@@ -6,7 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
-SETUP = Path(__file__).parent.parent / "bin" / "setup"
+SETUP = Path(__file__).parents[2] / "bin" / "setup"
 
 
 def test_setup_waits_for_the_apt_lock(tmp_path: Path) -> None:
