@@ -198,6 +198,8 @@ class Connection(asyncio.Protocol):
         every read, which costs more than parsing and executing a command.
         """
         self.task = run_eagerly(self.drain())
+        if self.task is not None:
+            self.server.overlap = True  # something waited: overlapping may pay again
 
     async def drain(self) -> None:
         """Run every pending command in order, gathering replies; then send them.
@@ -215,13 +217,16 @@ class Connection(asyncio.Protocol):
                 reply: bytes | None
                 if self.locked:
                     reply = self._login(command) or await self._execute(command)
-                elif pending and _groups(command) and _groups(pending[0]):
+                elif self.server.overlap and pending and _groups(command) and _groups(pending[0]):
                     await self._run_group(command)
                     continue
                 else:
                     reply = await self._execute(command)
-                if reply:
-                    self._emit(reply)
+                if reply:  # as _emit does, inline on the hot path
+                    self.out.append(reply)
+                    self.out_bytes += len(reply)
+                    if self.out_bytes >= FLUSH_AT:
+                        self.flush()
             self.flush()
             self.pending_bytes = 0
             if self._reading_paused and not self.closed:
@@ -272,12 +277,17 @@ class Connection(asyncio.Protocol):
         are made in this turn of the loop, in order: a backend that commits
         in groups commits them together instead of one flush per command.
         Replies still go out in order, each once its command is complete.
+        When none of them waited (a backend that answers at once, as memory
+        does), overlapping is turned off until something waits again: one
+        command after another costs less then.
         """
         pending = self.pending
         execute = self._execute
         started = [start(execute(first))]
         while pending and len(started) < GROUP_MAX and _groups(pending[0]):
             started.append(start(execute(pending.popleft())))
+        if all(done for done, _ in started):
+            self.server.overlap = False
         for done, outcome in started:
             reply = outcome if done else await outcome
             if reply:
