@@ -1,0 +1,478 @@
+"""The Aerospike backend as the broker sees it: batching, shards, wake-ups and reclaim.
+
+Calls are queued per queue shard; one task per shard runs cycles
+(mqd_aerospike.store) in the worker threads, each serving everything queued
+for that shard when it starts: one lock and one commit for many operations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from mqd import protocol
+from mqd.backend import (
+    NO_LIMITS,
+    Backend,
+    Capability,
+    Limits,
+    Message,
+    Put,
+    QueueSize,
+    Receipt,
+    Reclaimed,
+    Route,
+    StorageOptions,
+    Sync,
+    name_bytes,
+    name_text,
+)
+from mqd.errors import StorageError
+from mqd_aerospike.config import AerospikeConfig
+from mqd_aerospike.ops import (
+    DeleteOp,
+    FinishMoveOp,
+    LeaseOp,
+    Moved,
+    Op,
+    PutOp,
+    ReclaimOp,
+    RemoveOp,
+    ReserveOp,
+    TakeOp,
+)
+from mqd_aerospike.shard import Meta, message_of
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+INSTALL_HINT = "the aerospike backend needs the aerospike client: pip install 'aerospike>=19,<20'"
+#: A dead-letter move not finished after this long is finished by whoever reclaims next.
+STALE_MOVE_MS = 10_000
+BACKOFF_FIRST = 0.0005
+BACKOFF_MAX = 0.05
+
+
+@dataclass
+class _Lane:
+    """The operations queued for one shard, and whether a task is serving them."""
+
+    pending: list[Op] = field(default_factory=list)
+    running: bool = False
+
+
+class AerospikeBackend(Backend):
+    """Queues in an Aerospike namespace, shared by every daemon that points at it."""
+
+    name = "aerospike"
+    capabilities = frozenset({Capability.SHARED, Capability.FIFO, Capability.OFFSET})
+
+    def __init__(self, options: StorageOptions) -> None:
+        super().__init__(options)
+        self.config = AerospikeConfig.from_table(
+            options.extra, options.config_path, options.poll_interval_ms
+        )
+        self._store: Any = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._lanes: dict[tuple[str, int], _Lane] = {}
+        self._shards: dict[str, int] = {}  # queue -> shard count, as stored
+        self._empty: dict[tuple[str, int], bool] = {}  # last seen: nothing waiting there
+        self._turn = random.randrange(1 << 16)  # where this daemon's gets and sets start
+        self._watched: dict[str, int] = {}
+        self._seen: dict[str, tuple[int, ...]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._poller: asyncio.Task[None] | None = None
+
+    # -- life cycle ------------------------------------------------------------
+
+    async def open(self) -> None:
+        try:
+            from mqd_aerospike.store import Store
+        except ImportError as exc:
+            raise StorageError(f"{INSTALL_HINT} ({exc})") from exc
+        self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="aerospike")
+        store = Store(self.config, self.owner)
+        await self._blocking(store.connect)
+        self._store = store
+        self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._store is not None:
+            await self._blocking(self._store.close)
+            self._store = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    @property
+    def calls(self) -> int:
+        """Round trips to the cluster so far (a batch counts once)."""
+        return int(self._store.calls) if self._store is not None else 0
+
+    async def _blocking(self, fn: Any, *args: Any) -> Any:
+        if self._pool is None:
+            raise StorageError("aerospike backend is not open")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # -- the lanes -------------------------------------------------------------
+
+    def _submit(self, queue: str, shard: int, op: Op, shards: int = 1) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        op.future = loop.create_future()
+        lane = self._lanes.get((queue, shard))
+        if lane is None:
+            lane = self._lanes[(queue, shard)] = _Lane()
+        lane.pending.append(op)
+        if not lane.running:
+            lane.running = True
+            task = loop.create_task(self._serve(queue, shard, lane, shards))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return op.future
+
+    async def _serve(self, queue: str, shard: int, lane: _Lane, shards: int) -> None:
+        name = name_bytes(queue)
+        backoff = BACKOFF_FIRST
+        try:
+            while lane.pending:
+                batch = lane.pending[: self.config.max_batch]
+                del lane.pending[: len(batch)]
+                try:
+                    outcome = await self._blocking(self._store.cycle, name, shard, shards, batch)
+                except Exception as error:
+                    failure = error if isinstance(error, StorageError) else _wrap(error)
+                    for o in batch:
+                        if not o.future.done():
+                            o.future.set_exception(failure)
+                    continue
+                if outcome == "done":
+                    backoff = BACKOFF_FIRST
+                    for o in batch:
+                        if o.shards:
+                            self._shards[queue] = o.shards
+                        if not o.future.done():
+                            o.future.set_result(o.result)
+                    continue
+                lane.pending[0:0] = batch
+                if outcome == "busy":
+                    await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+                    backoff = min(backoff * 2, BACKOFF_MAX)
+        finally:
+            lane.running = False
+            if not lane.pending:
+                self._lanes.pop((queue, shard), None)
+
+    async def _shard_count(self, queue: str) -> int | None:
+        """How many shards the queue has; None when it does not exist."""
+        known = self._shards.get(queue)
+        if known is not None:
+            return known
+        metas = await self._blocking(self._store.read_metas, name_bytes(queue), [0])
+        first = metas.get(0)
+        if first is None:
+            return None
+        self._shards[queue] = first.shards
+        return int(first.shards)
+
+    def _order(self, shards: int) -> list[int]:
+        self._turn += 1
+        return [(self._turn + i) % shards for i in range(shards)]
+
+    # -- messages --------------------------------------------------------------
+
+    async def put(
+        self,
+        queue: str,
+        message: Message,
+        *,
+        sync: Sync,
+        unique: bool = False,
+        limits: Limits = NO_LIMITS,
+    ) -> Put:
+        if unique:
+            raise StorageError("unique not supported by backend aerospike")
+        return await self._put(queue, message, limits, "")
+
+    async def _put(self, queue: str, message: Message, limits: Limits, tag: str) -> Put:
+        if self._store is None:
+            raise StorageError("aerospike backend is not open")
+        if len(message.body) > self._store.largest:
+            raise StorageError(protocol.TOO_LARGE)
+        shards = self._shards.get(queue)
+        if shards is None:
+            shard, shards = 0, self.config.shards_for(queue)
+        elif tag:
+            shard = sum(tag.encode()) % shards  # the same shard every time: it holds the tag
+        else:
+            self._turn += 1
+            shard = self._turn % shards
+        op = PutOp(message=message, limits=limits, tag=tag)
+        result: Put = await self._submit(queue, shard, op, shards)
+        if result is Put.STORED:
+            self._empty.pop((queue, shard), None)
+        return result
+
+    async def take(self, queue: str, *, sync: Sync) -> Message | None:
+        return await self._dequeue(queue, TakeOp)
+
+    async def reserve(self, queue: str, *, lease: float, sync: Sync) -> Message | None:
+        return await self._dequeue(queue, ReserveOp, lease=lease, owner=self.owner)
+
+    async def _dequeue(self, queue: str, kind: type[Op], **fields: Any) -> Message | None:
+        shards = await self._shard_count(queue)
+        if shards is None:
+            return None
+        order = self._order(shards)
+        tried = set()
+        for shard in order:
+            if shards > 1 and self._empty.get((queue, shard)):
+                continue
+            tried.add(shard)
+            found = await self._submit(queue, shard, kind(**fields), shards)
+            if found is not None:
+                return found  # type: ignore[no-any-return]
+            self._empty[(queue, shard)] = True
+        if shards == 1:
+            return None
+        # Every shard looked empty to this daemon: one read tells which are not.
+        states = await self._blocking(self._store.watch_state, name_bytes(queue), shards)
+        for shard in order:
+            waiting = states[shard][1]
+            self._empty[(queue, shard)] = not waiting
+            if waiting:
+                found = await self._submit(queue, shard, kind(**fields), shards)
+                if found is not None:
+                    return found  # type: ignore[no-any-return]
+        return None
+
+    async def _lease(self, receipt: Receipt, **fields: Any) -> Any:
+        shards = await self._shard_count(receipt.queue)
+        if shards is None:
+            return False
+        shard, offset = receipt.offset % shards, receipt.offset // shards
+        op = LeaseOp(receipt=receipt, offset=offset, **fields)
+        return await self._submit(receipt.queue, shard, op, shards)
+
+    async def ack(self, receipt: Receipt, *, sync: Sync) -> bool:
+        return bool(await self._lease(receipt, kind="ack"))
+
+    async def extend(self, receipt: Receipt, *, lease: float, sync: Sync) -> bool:
+        return bool(await self._lease(receipt, kind="extend", lease=lease))
+
+    async def release(self, receipt: Receipt, *, sync: Sync, to: str | None = None) -> bool:
+        done = await self._lease(receipt, kind="release", to=to)
+        if isinstance(done, Moved):
+            await self._finish_move(receipt.queue, done)
+            return True
+        if done:
+            shards = self._shards.get(receipt.queue) or 1
+            self._empty.pop((receipt.queue, receipt.offset % shards), None)
+        return bool(done)
+
+    async def _finish_move(self, queue: str, moved: Moved) -> None:
+        """Store a moving message in its dead-letter queue (once, by its tag), then forget it."""
+        m = moved.message
+        copy = Message(m.body, m.flags, m.expires, m.created, deliveries=m.deliveries, origin=queue)
+        await self._put(moved.to, copy, NO_LIMITS, moved.tag)
+        shards = self._shards.get(queue) or 1
+        await self._submit(queue, moved.shard, FinishMoveOp(offset=moved.offset), shards)
+
+    async def remove(self, queue: str, offset: int, *, sync: Sync) -> bool:
+        shards = await self._shard_count(queue)
+        if shards is None or offset < 0:
+            return False
+        op = RemoveOp(offset=offset // shards)
+        return bool(await self._submit(queue, offset % shards, op, shards))
+
+    async def peek(self, queue: str) -> Message | None:
+        shards = await self._shard_count(queue)
+        if shards is None:
+            return None
+        metas = await self._blocking(self._store.read_metas, name_bytes(queue), range(shards))
+        for shard in self._order(shards):
+            meta = metas.get(shard)
+            offset = meta.oldest_waiting() if meta is not None else None
+            if meta is None or offset is None:
+                continue
+            entries = await self._blocking(self._store.read_entries, meta, [offset])
+            if offset in entries:
+                deliveries = int(meta.ret[offset][0]) if offset in meta.ret else -1
+                return message_of(entries[offset], meta.global_id(offset), deliveries)
+        return None
+
+    async def read_at(self, queue: str, offset: int) -> Message | None:
+        shards = await self._shard_count(queue)
+        if shards is None or offset < 0:
+            return None
+        shard, local = offset % shards, offset // shards
+        metas = await self._blocking(self._store.read_metas, name_bytes(queue), [shard])
+        meta = metas.get(shard)
+        if meta is None:
+            return None
+        lease = meta.open.get(local)
+        if lease is None and not meta.is_waiting(local):
+            return None
+        entries = await self._blocking(self._store.read_entries, meta, [local])
+        if local not in entries:
+            return None
+        if lease is not None:
+            deliveries = int(lease[3])
+        else:
+            deliveries = int(meta.ret[local][0]) if local in meta.ret else -1
+        return message_of(entries[local], offset, deliveries)
+
+    # -- reclaim ---------------------------------------------------------------
+
+    async def reclaim(
+        self, route: Route, *, sync: Sync, owner: str | None = None
+    ) -> list[Reclaimed]:
+        now_ms = int(time.time() * 1000)
+        metas = await self._blocking(self._store.reclaimable, now_ms, owner is not None)
+        out: list[Reclaimed] = []
+        for meta in metas:
+            queue = name_text(meta.name)
+            self._shards.setdefault(queue, meta.shards)
+            decisions = await self._decide(queue, meta, route, now_ms, owner)
+            if not decisions:
+                continue
+            op = ReclaimOp(decisions=decisions)
+            done: list[Moved] = await self._submit(queue, meta.shard, op, meta.shards)
+            for moved in done:
+                if moved.returned:
+                    self._empty.pop((queue, meta.shard), None)
+                    self._wake(queue)
+                    out.append(Reclaimed(queue, moved.message, None))
+                    continue
+                await self._finish_move(queue, moved)
+                self._wake(moved.to)
+                out.append(Reclaimed(queue, moved.message, moved.to))
+        return out
+
+    async def _decide(
+        self, queue: str, meta: Meta, route: Route, now_ms: int, owner: str | None
+    ) -> dict[int, tuple[int, str | None]]:
+        """Where each lease that has ended goes: back (None) or to a dead-letter queue."""
+        ended = {
+            offset: lease
+            for offset, lease in meta.open.items()
+            if (lease[2] and lease[2] <= now_ms) or (owner is not None and lease[1] == owner)
+        }
+        decisions: dict[int, tuple[int, str | None]] = {}
+        if ended:
+            entries = await self._blocking(self._store.read_entries, meta, list(ended))
+            for offset, lease in ended.items():
+                found = entries.get(offset)
+                message = (
+                    message_of(found, meta.global_id(offset), int(lease[3]))
+                    if found is not None
+                    else Message(b"", offset=meta.global_id(offset), deliveries=int(lease[3]))
+                )
+                decisions[offset] = (int(lease[0]), route(queue, message))
+        for offset, moving in meta.mv.items():
+            if int(moving[4]) + STALE_MOVE_MS <= now_ms:
+                decisions[offset] = (0, name_text(bytes(moving[0])))
+        return decisions
+
+    # -- queues ----------------------------------------------------------------
+
+    async def delete(self, queue: str, *, sync: Sync) -> bool:
+        shards = await self._shard_count(queue)
+        if shards is None:
+            return False
+        results = await asyncio.gather(
+            *(self._submit(queue, s, DeleteOp(), shards) for s in range(shards))
+        )
+        self._shards.pop(queue, None)
+        for s in range(shards):
+            self._empty.pop((queue, s), None)
+        return any(results)
+
+    async def flush_all(self, *, sync: Sync) -> None:
+        for queue in await self.queues():
+            await self.delete(queue, sync=sync)
+
+    async def queues(self) -> list[str]:
+        found = await self._blocking(self._store.scan_metas, ("qn", "inc"))
+        return sorted({name_text(bytes(bins["qn"])) for bins in found})
+
+    async def size(self, queue: str) -> QueueSize | None:
+        shards = await self._shard_count(queue)
+        if shards is None:
+            return None
+        metas = await self._blocking(self._store.read_metas, name_bytes(queue), range(shards))
+        found = [m for m in metas.values() if m is not None]
+        if not found:
+            self._shards.pop(queue, None)
+            return None
+        return (await self._gauges({queue: found}))[queue]
+
+    async def sizes(self) -> dict[str, QueueSize]:
+        metas = await self._blocking(self._store.all_metas)
+        grouped: dict[str, list[Meta]] = {}
+        for meta in metas:
+            grouped.setdefault(name_text(meta.name), []).append(meta)
+        return await self._gauges(grouped)
+
+    async def _gauges(self, grouped: dict[str, list[Meta]]) -> dict[str, QueueSize]:
+        """Gauges summed over shards; the oldest message's age needs its entry read."""
+        every = [m for metas in grouped.values() for m in metas]
+        heads = await self._blocking(self._store.head_created, every)
+        out = {}
+        for queue, metas in grouped.items():
+            created = [heads[(m.name, m.shard)] for m in metas if (m.name, m.shard) in heads]
+            out[queue] = QueueSize(
+                items=sum(m.items for m in metas),
+                bytes=sum(m.size for m in metas),
+                open=sum(len(m.open) for m in metas),
+                head_created=min(created, default=0.0),
+            )
+        return out
+
+    # -- wake-ups ---------------------------------------------------------------
+
+    def watch(self, queue: str, on: bool) -> None:
+        count = self._watched.get(queue, 0) + (1 if on else -1)
+        if count > 0:
+            self._watched[queue] = count
+        else:
+            self._watched.pop(queue, None)
+            self._seen.pop(queue, None)
+
+    async def _poll(self) -> None:
+        """Wake gets waiting here when another daemon changed a watched queue."""
+        interval = self.config.poll_interval_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            if not self._watched or self._store is None:
+                continue
+            watched = {q: self._shards.get(q) or 1 for q in self._watched}
+            try:
+                states = await self._blocking(self._store.watch_many, watched)
+            except StorageError as error:
+                log.debug("wake-up poll failed: %s", error)
+                continue
+            for queue, shard_states in states.items():
+                generations = tuple(gen for gen, _ in shard_states)
+                waiting = any(w for _, w in shard_states)
+                if waiting and self._seen.get(queue) != generations:
+                    for shard, (_, w) in enumerate(shard_states):
+                        if w:
+                            self._empty.pop((queue, shard), None)
+                    self._wake(queue)
+                self._seen[queue] = generations
+
+
+def _wrap(error: Exception) -> StorageError:
+    log.error("aerospike backend failed", exc_info=error)
+    return StorageError(f"aerospike backend failed: {type(error).__name__}")

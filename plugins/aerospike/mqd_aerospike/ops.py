@@ -1,0 +1,92 @@
+"""What the daemon asks of one queue shard; a cycle serves a batch of these under one lock."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from mqd.backend import Limits, Message, Put, Receipt
+
+
+@dataclass(eq=False)
+class Op:
+    """One request; `future` gets the result once the cycle that served it has committed."""
+
+    future: asyncio.Future[Any] = field(init=False, repr=False)
+    result: Any = None
+    #: Only dequeues: a cycle made of them takes the lock only when a message waits.
+    dequeue: bool = field(default=False, init=False)
+    #: The queue's shard count, as the cycle found it stored.
+    shards: int = field(default=0, init=False)
+
+
+@dataclass(eq=False)
+class PutOp(Op):
+    message: Message = field(default_factory=lambda: Message(b""))
+    limits: Limits = field(default_factory=Limits)
+    #: Dead-letter moves: a move of this tag already stored is not stored again.
+    tag: str = ""
+    result: Put | None = None
+
+
+@dataclass(eq=False)
+class TakeOp(Op):
+    def __post_init__(self) -> None:
+        self.dequeue = True
+
+
+@dataclass(eq=False)
+class ReserveOp(Op):
+    lease: float = 0.0
+    owner: str = ""
+
+    def __post_init__(self) -> None:
+        self.dequeue = True
+
+
+@dataclass(eq=False)
+class LeaseOp(Op):
+    """ack (to is None, back False), release (back True, or to a dead-letter queue) or extend."""
+
+    receipt: Receipt = field(default_factory=lambda: Receipt("", 0, 0, 0))
+    offset: int = 0  # the offset within the shard
+    kind: str = "ack"  # "ack", "release", "extend"
+    to: str | None = None
+    lease: float = 0.0
+
+
+@dataclass(eq=False)
+class RemoveOp(Op):
+    offset: int = 0
+
+
+@dataclass(eq=False)
+class ReclaimOp(Op):
+    """End leases still as reclaim saw them: offset -> (token, dead-letter queue or None)."""
+
+    decisions: dict[int, tuple[int, str | None]] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class FinishMoveOp(Op):
+    """The message moving to a dead-letter queue is stored there: forget it here."""
+
+    offset: int = 0
+
+
+@dataclass(eq=False)
+class DeleteOp(Op):
+    pass
+
+
+@dataclass
+class Moved:
+    """A message a cycle took out of its queue on its way to a dead-letter queue."""
+
+    offset: int  # within the shard
+    shard: int
+    message: Message
+    to: str
+    tag: str
+    returned: bool = False  # reclaim only: sent back to its queue instead
