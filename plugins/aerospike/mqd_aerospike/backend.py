@@ -20,6 +20,7 @@ from mqd.backend import (
     NO_LIMITS,
     Backend,
     Capability,
+    Fanout,
     Limits,
     Message,
     Put,
@@ -29,10 +30,9 @@ from mqd.backend import (
     Route,
     StorageOptions,
     Sync,
-    name_bytes,
-    name_text,
 )
 from mqd.errors import StorageError
+from mqd.protocol import name_bytes, name_text
 from mqd_aerospike.config import AerospikeConfig
 from mqd_aerospike.ops import (
     DeleteOp,
@@ -42,6 +42,7 @@ from mqd_aerospike.ops import (
     Op,
     PutOp,
     ReclaimOp,
+    RedriveOp,
     RemoveOp,
     ReserveOp,
     TakeOp,
@@ -55,6 +56,8 @@ T = TypeVar("T")
 INSTALL_HINT = "the aerospike backend needs the aerospike client: pip install 'aerospike>=19,<20'"
 #: A dead-letter move not finished after this long is finished by whoever reclaims next.
 STALE_MOVE_MS = 10_000
+#: How long this daemon trusts its list of fanout children before looking again.
+CHILDREN_TTL = 1.0
 BACKOFF_FIRST = 0.0005
 BACKOFF_MAX = 0.05
 
@@ -88,6 +91,7 @@ class AerospikeBackend(Backend):
         self._seen: dict[str, tuple[int, ...]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._poller: asyncio.Task[None] | None = None
+        self._family: tuple[float, dict[str, list[str]]] | None = None
 
     # -- life cycle ------------------------------------------------------------
 
@@ -199,10 +203,71 @@ class AerospikeBackend(Backend):
         sync: Sync,
         unique: bool = False,
         limits: Limits = NO_LIMITS,
+        fanout: Fanout | None = None,
     ) -> Put:
         if unique:
             raise StorageError("unique not supported by backend aerospike")
-        return await self._put(queue, message, limits, "")
+        result = await self._put(queue, message, limits, "")
+        if result is Put.STORED and fanout is not None:
+            # Each child's copy is its own commit, made before the reply: one
+            # atomic step across queues would need transactions, which the
+            # Community Edition does not have.
+            for child in await self._children(queue):
+                m = message
+                copy = Message(m.body, m.flags, m.expires, m.created)
+                await self._put(child, copy, fanout(child), "")
+        return result
+
+    async def _children(self, queue: str) -> list[str]:
+        """The fanout children of `queue` that exist, as seen at most CHILDREN_TTL ago."""
+        now = time.monotonic()
+        if self._family is None or self._family[0] + CHILDREN_TTL < now:
+            names = await self.queues()
+            family: dict[str, list[str]] = {}
+            for name in names:
+                parent, plus, _ = name.partition("+")
+                if plus:
+                    family.setdefault(parent, []).append(name)
+            self._family = (now, family)
+        return self._family[1].get(queue, [])
+
+    async def create(self, queue: str, *, sync: Sync) -> bool:
+        made = bool(
+            await self._blocking(
+                self._store.create, name_bytes(queue), self.config.shards_for(queue)
+            )
+        )
+        if made:
+            self._family = None
+        return made
+
+    async def redrive(self, dead: str, *, to: str | None, limit: int, sync: Sync) -> dict[str, int]:
+        shards = await self._shard_count(dead)
+        counts: dict[str, int] = {}
+        if shards is None or limit <= 0:
+            return counts
+        for shard in self._order(shards):
+            left = limit - sum(counts.values())
+            if left <= 0:
+                break
+            op = RedriveOp(to=to or "", limit=left)
+            moved: list[Moved] = await self._submit(dead, shard, op, shards)
+            for m in moved:
+                await self._finish_move(dead, m)
+                counts[m.to] = counts.get(m.to, 0) + 1
+        return counts
+
+    async def expire_idle(self, queue: str, *, before: float, sync: Sync) -> bool:
+        shards = await self._shard_count(queue)
+        if shards is None:
+            return False
+        cutoff = int(before * 1000)
+        results = [
+            await self._submit(queue, s, DeleteOp(before=cutoff), shards) for s in range(shards)
+        ]
+        if all(results):
+            self._forget(queue, shards)
+        return all(results)
 
     async def _put(self, queue: str, message: Message, limits: Limits, tag: str) -> Put:
         if self._store is None:
@@ -283,7 +348,11 @@ class AerospikeBackend(Backend):
     async def _finish_move(self, queue: str, moved: Moved) -> None:
         """Store a moving message in its dead-letter queue (once, by its tag), then forget it."""
         m = moved.message
-        copy = Message(m.body, m.flags, m.expires, m.created, deliveries=m.deliveries, origin=queue)
+        if moved.redrive:
+            copy = Message(m.body, m.flags, m.expires, m.created)
+        else:
+            copy = Message(m.body, m.flags, m.expires, m.created, deliveries=m.deliveries)
+            copy.origin = queue
         await self._put(moved.to, copy, NO_LIMITS, moved.tag)
         shards = self._shards.get(queue) or 1
         await self._submit(queue, moved.shard, FinishMoveOp(offset=moved.offset), shards)
@@ -393,10 +462,14 @@ class AerospikeBackend(Backend):
         results = await asyncio.gather(
             *(self._submit(queue, s, DeleteOp(), shards) for s in range(shards))
         )
+        self._forget(queue, shards)
+        return any(results)
+
+    def _forget(self, queue: str, shards: int) -> None:
         self._shards.pop(queue, None)
+        self._family = None
         for s in range(shards):
             self._empty.pop((queue, s), None)
-        return any(results)
 
     async def flush_all(self, *, sync: Sync) -> None:
         for queue in await self.queues():

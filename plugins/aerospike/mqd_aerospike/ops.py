@@ -77,7 +77,17 @@ class FinishMoveOp(Op):
 
 @dataclass(eq=False)
 class DeleteOp(Op):
-    pass
+    """Delete the shard; with `before` only if it is empty and nothing came in since (Unix ms)."""
+
+    before: int = 0
+
+
+@dataclass(eq=False)
+class RedriveOp(Op):
+    """Move up to `limit` waiting messages to `to`, or to where each died when `to` is ""."""
+
+    to: str = ""
+    limit: int = 0
 
 
 @dataclass
@@ -90,3 +100,4 @@ class Moved:
     to: str
     tag: str
     returned: bool = False  # reclaim only: sent back to its queue instead
+    redrive: bool = False  # out of a dead-letter queue: delivery count and origin start again

@@ -25,7 +25,7 @@ from typing import Any
 from mqd.backend import Limits, Message, Put, Receipt
 
 #: Bins of the metadata record that commits write (the lock bins are separate).
-STATE_BINS = ("qn", "sh", "ns", "inc", "per", "hd", "cur", "tl", "n", "b")
+STATE_BINS = ("qn", "sh", "ns", "inc", "per", "hd", "cur", "tl", "n", "b", "lp")
 MAP_BINS = ("ret", "gone", "open", "mv", "tags")
 #: Dead-letter tags a queue remembers, and for how long, so a move retried by
 #: another daemon is recognised and not stored twice.
@@ -47,6 +47,7 @@ class Meta:
     tail: int = 0
     items: int = 0
     size: int = 0
+    last_put: int = 0  # Unix ms of the last message stored or moved in
     ret: dict[int, list[Any]] = field(default_factory=dict)  # o -> [deliveries, size, created]
     gone: dict[int, int] = field(default_factory=dict)
     open: dict[int, list[Any]] = field(default_factory=dict)
@@ -71,6 +72,7 @@ class Meta:
             tail=int(bins["tl"]),
             items=int(bins["n"]),
             size=int(bins["b"]),
+            last_put=int(bins.get("lp") or 0),
             ret=dict(bins.get("ret") or {}),
             gone=dict(bins.get("gone") or {}),
             open=dict(bins.get("open") or {}),
@@ -99,6 +101,7 @@ class Meta:
             "tl": self.tail,
             "n": self.items,
             "b": self.size,
+            "lp": self.last_put,
             "ret": self.ret,
             "gone": self.gone,
             "open": self.open,
@@ -158,6 +161,20 @@ class Meta:
             if (self.ret or self.open or self.mv)
             else self.cur
         )
+
+    def take_waiting(self, offset: int) -> None:
+        """Take a waiting offset out of the waiting state, wherever it is."""
+        if offset in self.ret:
+            del self.ret[offset]
+        elif offset == self.cur:
+            self.cur += 1
+        else:
+            self.gone[offset] = 1
+
+    def waiting_offsets(self) -> list[int]:
+        """Every waiting offset, oldest first."""
+        fresh = (o for o in range(self.cur, self.tail) if o not in self.gone)
+        return [*sorted(self.ret), *fresh]
 
     def is_waiting(self, offset: int) -> bool:
         return offset in self.ret or (self.cur <= offset < self.tail and offset not in self.gone)

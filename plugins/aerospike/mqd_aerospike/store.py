@@ -39,8 +39,9 @@ from aerospike_helpers.operations import map_operations as mo
 from aerospike_helpers.operations import operations as op
 
 from mqd import protocol
-from mqd.backend import Message, Put, Receipt, name_bytes
+from mqd.backend import Message, Put, Receipt
 from mqd.errors import ConfigError, StorageError
+from mqd.protocol import name_bytes
 from mqd_aerospike.config import AerospikeConfig
 from mqd_aerospike.ops import (
     DeleteOp,
@@ -50,6 +51,7 @@ from mqd_aerospike.ops import (
     Op,
     PutOp,
     ReclaimOp,
+    RedriveOp,
     RemoveOp,
     ReserveOp,
     TakeOp,
@@ -297,7 +299,7 @@ class Store:
             return RETRY
         old_head = meta.head
         meta.head = meta.low_water()
-        deleting = any(isinstance(o, DeleteOp) for o in ops)
+        deleting = any(isinstance(o, DeleteOp) and run.results.get(id(o)) for o in ops)
         try:
             if deleting:
                 self._delete(meta_key, nonce, meta, old_head)
@@ -430,6 +432,20 @@ class Store:
                 entries.update(_slots(record.record[2].get("s")))
         return entries
 
+    def create(self, name: bytes, shards: int) -> bool:
+        """Make an empty queue unless it exists; True if made now."""
+        first = Meta.new(name, 0, shards, self.per)
+        try:
+            self.call(
+                self.client.put,
+                self.meta_key(name, 0),
+                first.bins(int(time.time() * 1000)),
+                policy={"exists": aerospike.POLICY_EXISTS_CREATE},
+            )
+        except ae.RecordExistsError:
+            return False
+        return True
+
     def scan_metas(self, bins: tuple[str, ...], expression: Any = None) -> list[dict[str, Any]]:
         query = self.client.query(self.config.namespace, self.meta_set)
         query.select(*bins)
@@ -551,7 +567,10 @@ class _Run:
                 meta.size -= int(moving[2])
             self.results[id(o)] = moving is not None
         elif isinstance(o, DeleteOp):
-            self.results[id(o)] = True
+            idle = not (meta.items or meta.open or meta.mv) and meta.last_put < o.before
+            self.results[id(o)] = not o.before or idle
+        elif isinstance(o, RedriveOp):
+            self.results[id(o)] = self.redrive(o)
 
     def put(self, o: PutOp) -> Put:
         meta, message = self.meta, o.message
@@ -577,6 +596,7 @@ class _Run:
         message.offset = meta.global_id(offset)
         if o.tag:
             meta.tags[o.tag] = self.now_ms
+        meta.last_put = self.now_ms
         return Put.STORED
 
     def dequeued(self, o: Op, offset: int, deliveries: int, size: int) -> None:
@@ -628,11 +648,13 @@ class _Run:
             return True
         return self.move(o.offset, lease, o.to)
 
-    def move(self, offset: int, lease: list[Any], to: str) -> Moved:
+    def move(self, offset: int, lease: list[Any], to: str, redrive: bool = False) -> Moved:
         meta = self.meta
-        meta.mv[offset] = [bytearray(name_bytes(to)), lease[3], lease[4], lease[5], self.now_ms]
+        dest = bytearray(name_bytes(to))
+        meta.mv[offset] = [dest, lease[3], lease[4], lease[5], self.now_ms, int(redrive)]
         self.wanted.add(offset)
-        moved = Moved(offset, meta.shard, Message(b""), to, f"{meta.inc:x}:{offset}")
+        tag = f"{meta.inc:x}:{offset}"
+        moved = Moved(offset, meta.shard, Message(b""), to, tag, redrive=redrive)
         self.later.append(lambda: self.fill(moved, int(lease[3])))
         return moved
 
@@ -645,16 +667,32 @@ class _Run:
         meta = self.meta
         if not meta.is_waiting(offset):
             return False
-        if offset in meta.ret:
-            meta.size -= int(meta.ret.pop(offset)[1])
-        else:
-            meta.size -= self.size_of(offset)
-            if offset == meta.cur:
-                meta.cur += 1
-            else:
-                meta.gone[offset] = 1
+        meta.size -= int(meta.ret[offset][1]) if offset in meta.ret else self.size_of(offset)
+        meta.take_waiting(offset)
         meta.items -= 1
         return True
+
+    def redrive(self, o: RedriveOp) -> list[Moved]:
+        """Waiting messages on their way out, as moves finished like dead-lettering."""
+        meta = self.meta
+        moved: list[Moved] = []
+        waiting = meta.waiting_offsets()
+        for start in range(0, len(waiting), 256):
+            if len(moved) >= o.limit:
+                break
+            chunk = waiting[start : start + 256]
+            unread = [w for w in chunk if w not in self.entries]
+            self.entries.update(self.store.read_entries(meta, unread))
+            for offset in chunk:
+                found = self.entries.get(offset)
+                to = o.to or (str(found[6]) if found is not None else "")
+                if found is None or not to or len(moved) >= o.limit:
+                    continue
+                deliveries = int(meta.ret[offset][0]) if offset in meta.ret else int(found[5])
+                meta.take_waiting(offset)
+                lease = [0, "", 0, deliveries, len(found[0]), float(found[3])]
+                moved.append(self.move(offset, lease, to, redrive=True))
+        return moved
 
     def reclaim(self, o: ReclaimOp) -> list[Moved]:
         meta = self.meta
@@ -676,7 +714,8 @@ class _Run:
                 # keeps the dead-letter queue from storing it twice).
                 moving = meta.mv[offset]
                 moving[4] = self.now_ms
-                moved = Moved(offset, meta.shard, Message(b""), to, f"{meta.inc:x}:{offset}")
+                tag = f"{meta.inc:x}:{offset}"
+                moved = Moved(offset, meta.shard, Message(b""), to, tag, redrive=bool(moving[5]))
                 self.wanted.add(offset)
                 self.later.append(functools.partial(self.fill, moved, int(moving[1])))
                 done.append(moved)

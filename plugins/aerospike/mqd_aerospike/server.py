@@ -1,0 +1,68 @@
+"""A real Aerospike node for tests and benchmarks: one started here, or one named by the user.
+
+`MQD_AEROSPIKE_HOSTS=host:port` names a running server to use. Otherwise a
+build of the server with `start`/`stop` scripts (as in `../shared/aerospike`
+beside the repository, or `MQD_AEROSPIKE_DIR`) starts a fresh in-memory node
+on free loopback ports, stopped again when done.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+CANDIDATES = (REPO.parent / "shared" / "aerospike", Path("/work/shared/aerospike"))
+
+
+def server_dir() -> Path | None:
+    """Where a startable server build is, if anywhere."""
+    named = os.environ.get("MQD_AEROSPIKE_DIR")
+    for path in (Path(named),) if named else CANDIDATES:
+        if (path / "start").is_file() and (path / "stop").is_file():
+            return path
+    return None
+
+
+def unavailable() -> str:
+    """Why no server can be had ("" when one can)."""
+    if os.environ.get("MQD_AEROSPIKE_HOSTS") or server_dir() is not None:
+        return ""
+    return (
+        "no Aerospike server: set MQD_AEROSPIKE_HOSTS=host:port, or MQD_AEROSPIKE_DIR "
+        "to a server build with start/stop scripts"
+    )
+
+
+@contextmanager
+def node(data_size: str = "", record_size: str = "") -> Iterator[str]:
+    """A server's "host:port" for the duration; a node started here is stopped after."""
+    named = os.environ.get("MQD_AEROSPIKE_HOSTS")
+    if named:
+        yield named.split(",")[0]
+        return
+    where = server_dir()
+    if where is None:
+        raise RuntimeError(unavailable())
+    env = dict(os.environ)
+    if data_size:
+        env["AS_DATA_SIZE"] = data_size
+    if record_size:
+        env["AS_MAX_RECORD_SIZE"] = record_size
+    started = subprocess.run(
+        [str(where / "start")], capture_output=True, text=True, env=env, timeout=120
+    )
+    workdir = ""
+    for part in started.stderr.split():
+        if part.startswith("workdir="):
+            workdir = part.removeprefix("workdir=")
+    try:
+        if started.returncode != 0 or not started.stdout.strip():
+            raise RuntimeError(f"aerospike did not start: {started.stderr.strip()[-500:]}")
+        yield started.stdout.strip().splitlines()[-1]
+    finally:
+        if workdir:
+            subprocess.run([str(where / "stop"), workdir], capture_output=True, timeout=120)
