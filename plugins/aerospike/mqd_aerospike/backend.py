@@ -54,10 +54,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 INSTALL_HINT = "the aerospike backend needs the aerospike client: pip install 'aerospike>=19,<20'"
-#: A dead-letter move not finished after this long is finished by whoever reclaims next.
-STALE_MOVE_MS = 10_000
-#: How long this daemon trusts its list of fanout children before looking again.
-CHILDREN_TTL = 1.0
 BACKOFF_FIRST = 0.0005
 BACKOFF_MAX = 0.05
 
@@ -91,7 +87,6 @@ class AerospikeBackend(Backend):
         self._seen: dict[str, tuple[int, ...]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._poller: asyncio.Task[None] | None = None
-        self._family: tuple[float, dict[str, list[str]]] | None = None
 
     # -- life cycle ------------------------------------------------------------
 
@@ -207,29 +202,19 @@ class AerospikeBackend(Backend):
     ) -> Put:
         if unique:
             raise StorageError("unique not supported by backend aerospike")
-        result = await self._put(queue, message, limits, "")
-        if result is Put.STORED and fanout is not None:
+        op = await self._put(queue, message, limits, "", fanout is not None)
+        if op.result is Put.STORED and fanout is not None:
             # Each child's copy is its own commit, made before the reply: one
             # atomic step across queues would need transactions, which the
             # Community Edition does not have.
-            for child in await self._children(queue):
-                m = message
-                copy = Message(m.body, m.flags, m.expires, m.created)
-                await self._put(child, copy, fanout(child), "")
-        return result
-
-    async def _children(self, queue: str) -> list[str]:
-        """The fanout children of `queue` that exist, as seen at most CHILDREN_TTL ago."""
-        now = time.monotonic()
-        if self._family is None or self._family[0] + CHILDREN_TTL < now:
-            names = await self.queues()
-            family: dict[str, list[str]] = {}
-            for name in names:
-                parent, plus, _ = name.partition("+")
-                if plus:
-                    family.setdefault(parent, []).append(name)
-            self._family = (now, family)
-        return self._family[1].get(queue, [])
+            m = message
+            await asyncio.gather(
+                *(
+                    self._put(child, Message(m.body, m.flags, m.expires, m.created), fanout(child))
+                    for child in op.children
+                )
+            )
+        return op.result or Put.FULL
 
     async def create(self, queue: str, *, sync: Sync) -> bool:
         made = bool(
@@ -237,8 +222,6 @@ class AerospikeBackend(Backend):
                 self._store.create, name_bytes(queue), self.config.shards_for(queue)
             )
         )
-        if made:
-            self._family = None
         return made
 
     async def redrive(self, dead: str, *, to: str | None, limit: int, sync: Sync) -> dict[str, int]:
@@ -252,8 +235,8 @@ class AerospikeBackend(Backend):
                 break
             op = RedriveOp(to=to or "", limit=left)
             moved: list[Moved] = await self._submit(dead, shard, op, shards)
+            await asyncio.gather(*(self._finish_move(dead, m) for m in moved))
             for m in moved:
-                await self._finish_move(dead, m)
                 counts[m.to] = counts.get(m.to, 0) + 1
         return counts
 
@@ -267,9 +250,13 @@ class AerospikeBackend(Backend):
         ]
         if all(results):
             self._forget(queue, shards)
+            if "+" in queue:
+                await self._blocking(self._store.adopt, name_bytes(queue), False)
         return all(results)
 
-    async def _put(self, queue: str, message: Message, limits: Limits, tag: str) -> Put:
+    async def _put(
+        self, queue: str, message: Message, limits: Limits, tag: str = "", fanout: bool = False
+    ) -> PutOp:
         if self._store is None:
             raise StorageError("aerospike backend is not open")
         if len(message.body) > self._store.largest:
@@ -282,11 +269,11 @@ class AerospikeBackend(Backend):
         else:
             self._turn += 1
             shard = self._turn % shards
-        op = PutOp(message=message, limits=limits, tag=tag)
-        result: Put = await self._submit(queue, shard, op, shards)
-        if result is Put.STORED:
+        op = PutOp(message=message, limits=limits, tag=tag, fanout=fanout)
+        await self._submit(queue, shard, op, shards)
+        if op.result is Put.STORED:
             self._empty.pop((queue, shard), None)
-        return result
+        return op
 
     async def take(self, queue: str, *, sync: Sync) -> Message | None:
         return await self._dequeue(queue, TakeOp)
@@ -345,8 +332,11 @@ class AerospikeBackend(Backend):
             self._empty.pop((receipt.queue, receipt.offset % shards), None)
         return bool(done)
 
-    async def _finish_move(self, queue: str, moved: Moved) -> None:
-        """Store a moving message in its dead-letter queue (once, by its tag), then forget it."""
+    async def _finish_move(self, queue: str, moved: Moved) -> bool:
+        """Store a moving message in its dead-letter queue (once, by its tag), then forget it.
+
+        True if this call was the one that finished the move.
+        """
         m = moved.message
         if moved.redrive:
             copy = Message(m.body, m.flags, m.expires, m.created)
@@ -355,7 +345,8 @@ class AerospikeBackend(Backend):
             copy.origin = queue
         await self._put(moved.to, copy, NO_LIMITS, moved.tag)
         shards = self._shards.get(queue) or 1
-        await self._submit(queue, moved.shard, FinishMoveOp(offset=moved.offset), shards)
+        op = FinishMoveOp(offset=moved.offset)
+        return bool(await self._submit(queue, moved.shard, op, shards))
 
     async def remove(self, queue: str, offset: int, *, sync: Sync) -> bool:
         shards = await self._shard_count(queue)
@@ -417,15 +408,17 @@ class AerospikeBackend(Backend):
                 continue
             op = ReclaimOp(decisions=decisions)
             done: list[Moved] = await self._submit(queue, meta.shard, op, meta.shards)
-            for moved in done:
-                if moved.returned:
-                    self._empty.pop((queue, meta.shard), None)
-                    self._wake(queue)
-                    out.append(Reclaimed(queue, moved.message, None))
-                    continue
-                await self._finish_move(queue, moved)
+            returned = [m for m in done if m.returned]
+            moving = [m for m in done if not m.returned]
+            if returned:
+                self._empty.pop((queue, meta.shard), None)
+                self._wake(queue)
+            out += [Reclaimed(queue, m.message, None) for m in returned]
+            finished = await asyncio.gather(*(self._finish_move(queue, m) for m in moving))
+            for moved, mine in zip(moving, finished, strict=True):
                 self._wake(moved.to)
-                out.append(Reclaimed(queue, moved.message, moved.to))
+                if mine:  # another daemon finishing the same move reports it
+                    out.append(Reclaimed(queue, moved.message, moved.to))
         return out
 
     async def _decide(
@@ -449,8 +442,7 @@ class AerospikeBackend(Backend):
                 )
                 decisions[offset] = (int(lease[0]), route(queue, message))
         for offset, moving in meta.mv.items():
-            if int(moving[4]) + STALE_MOVE_MS <= now_ms:
-                decisions[offset] = (0, name_text(bytes(moving[0])))
+            decisions[offset] = (0, name_text(bytes(moving[0])))
         return decisions
 
     # -- queues ----------------------------------------------------------------
@@ -463,11 +455,12 @@ class AerospikeBackend(Backend):
             *(self._submit(queue, s, DeleteOp(), shards) for s in range(shards))
         )
         self._forget(queue, shards)
+        if "+" in queue:
+            await self._blocking(self._store.adopt, name_bytes(queue), False)
         return any(results)
 
     def _forget(self, queue: str, shards: int) -> None:
         self._shards.pop(queue, None)
-        self._family = None
         for s in range(shards):
             self._empty.pop((queue, s), None)
 

@@ -27,6 +27,10 @@ class PutOp(Op):
     limits: Limits = field(default_factory=Limits)
     #: Dead-letter moves: a move of this tag already stored is not stored again.
     tag: str = ""
+    #: Whether the caller copies the message to the queue's fanout children,
+    #: which the cycle then reads into `children`.
+    fanout: bool = False
+    children: list[str] = field(default_factory=list)
     result: Put | None = None
 
 

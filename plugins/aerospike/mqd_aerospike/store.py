@@ -41,7 +41,7 @@ from aerospike_helpers.operations import operations as op
 from mqd import protocol
 from mqd.backend import Message, Put, Receipt
 from mqd.errors import ConfigError, StorageError
-from mqd.protocol import name_bytes
+from mqd.protocol import name_bytes, name_text
 from mqd_aerospike.config import AerospikeConfig
 from mqd_aerospike.ops import (
     DeleteOp,
@@ -71,6 +71,8 @@ NOT_FOUND = 2
 KEY_ORDERED = {"map_order": aerospike.MAP_KEY_ORDERED}
 
 DONE, BUSY, RETRY = "done", "busy", "retry"
+#: Reads of buffer records a busy server turned away are tried this often.
+READ_ATTEMPTS = 5
 
 
 def _lock_free(now_ms: int, previous: str) -> x._BaseExpr:
@@ -226,6 +228,23 @@ class Store:
     def buf_key(self, meta: Meta, index: int) -> tuple[str, str, bytearray]:
         return self._buf_key(meta.name, meta.inc, meta.shard, index)
 
+    def family_key(self, parent: bytes) -> tuple[str, str, bytearray]:
+        """The record naming a queue's fanout children: it outlives the queue itself."""
+        return (self.config.namespace, self.meta_set, bytearray(b"f\0" + parent))
+
+    def adopt(self, child: bytes, on: bool) -> None:
+        """Add `child` ("<parent>+<name>") to its parent's fanout children, or take it out."""
+        parent = child.partition(b"+")[0]
+        key = self.family_key(parent)
+        try:
+            if on:
+                self.call(self.client.operate, key, [mo.map_put("kids", bytearray(child), 1)])
+            else:
+                remove = mo.map_remove_by_key("kids", bytearray(child), aerospike.MAP_RETURN_NONE)
+                self.call(self.client.operate, key, [remove])
+        except ae.RecordNotFound:
+            pass
+
     def _buf_key(self, name: bytes, inc: int, shard: int, index: int) -> tuple[str, str, bytearray]:
         # The incarnation is part of the key: a queue deleted and made again
         # never sees a buffer record of the one before, even one written late.
@@ -247,16 +266,22 @@ class Store:
         policy = {} if creating else {"exists": aerospike.POLICY_EXISTS_UPDATE}
         prefetch = self._predict(where, dequeues)
         entries: dict[int, list[Any]] = {}
+        # The fanout children are read in the same call as the lock.
+        fanning = any(isinstance(o, PutOp) and o.fanout for o in ops)
+        children: list[str] = []
         try:
-            if prefetch:
+            if prefetch or fanning:
                 batch = [Write(meta_key, lock, policy=policy)]
-                # A guess made before the lock tells the incarnation: the one
-                # this daemon saw last. A wrong guess costs one more read later.
-                inc = self._hints[where][3]
-                batch += [
-                    Read(self._buf_key(name, inc, shard, index), [_get_slots(offsets)])
-                    for index, offsets in prefetch.items()
-                ]
+                if fanning:
+                    batch.append(Read(self.family_key(name), [op.read("kids")]))
+                if prefetch:
+                    # A guess made before the lock tells the incarnation: the one
+                    # this daemon saw last. A wrong guess costs one more read later.
+                    inc = self._hints[where][3]
+                    batch += [
+                        Read(self._buf_key(name, inc, shard, index), [_get_slots(offsets)])
+                        for index, offsets in prefetch.items()
+                    ]
                 results = self.call(self.client.batch_write, BatchRecords(batch)).batch_records
                 first = results[0]
                 if first.result == NOT_FOUND:
@@ -264,7 +289,14 @@ class Store:
                 if first.result != 0:
                     raise StorageError(f"aerospike: lock failed with code {first.result}")
                 bins = first.record[2]
-                for found in results[1:]:
+                if fanning:
+                    family = results[1]
+                    if family.result not in (0, NOT_FOUND):
+                        raise StorageError(f"aerospike: fanout read failed ({family.result})")
+                    kids = family.record[2].get("kids") if family.result == 0 else None
+                    children = sorted(name_text(bytes(k)) for k in kids or {})
+                for found in results[1 + fanning :]:
+                    # A prefetch that failed is read again once the lock is held.
                     if found.result == 0 and found.record is not None:
                         entries.update(_slots(found.record[2].get("s")))
             else:
@@ -323,6 +355,8 @@ class Store:
         for o in ops:
             o.result = run.results.get(id(o))
             o.shards = meta.shards
+            if isinstance(o, PutOp) and o.fanout:
+                o.children = children
         return DONE
 
     def _lock_ops(
@@ -424,13 +458,21 @@ class Store:
             by_record.setdefault(offset // meta.per, []).append(offset)
         if not by_record:
             return {}
-        batch = [Read(self.buf_key(meta, i), [_get_slots(o)]) for i, o in by_record.items()]
-        found = self.call(self.client.batch_write, BatchRecords(batch)).batch_records
         entries: dict[int, list[Any]] = {}
-        for record in found:
-            if record.result == 0 and record.record is not None:
-                entries.update(_slots(record.record[2].get("s")))
-        return entries
+        for attempt in range(READ_ATTEMPTS):
+            batch = [Read(self.buf_key(meta, i), [_get_slots(o)]) for i, o in by_record.items()]
+            found = self.call(self.client.batch_write, BatchRecords(batch)).batch_records
+            failed: dict[int, list[int]] = {}
+            for (index, wanted), record in zip(by_record.items(), found, strict=True):
+                if record.result == 0 and record.record is not None:
+                    entries.update(_slots(record.record[2].get("s")))
+                elif record.result != NOT_FOUND:
+                    failed[index] = wanted  # busy or timed out: an entry must never look gone
+            if not failed:
+                return entries
+            by_record = failed
+            time.sleep(0.001 * (attempt + 1))
+        raise StorageError(f"aerospike: buffer records unreadable ({len(by_record)})")
 
     def create(self, name: bytes, shards: int) -> bool:
         """Make an empty queue unless it exists; True if made now."""
@@ -444,6 +486,9 @@ class Store:
             )
         except ae.RecordExistsError:
             return False
+        finally:
+            if b"+" in name:
+                self.adopt(name, True)
         return True
 
     def scan_metas(self, bins: tuple[str, ...], expression: Any = None) -> list[dict[str, Any]]:
@@ -592,7 +637,8 @@ class _Run:
         meta.tail += 1
         meta.items += 1
         meta.size += size
-        self.writes[offset] = entry(message, meta.fence)
+        # Also where this cycle's own dequeues look: they may take it at once.
+        self.writes[offset] = self.entries[offset] = entry(message, meta.fence)
         message.offset = meta.global_id(offset)
         if o.tag:
             meta.tags[o.tag] = self.now_ms
@@ -709,13 +755,14 @@ class _Run:
                     done.append(moved)
                 else:
                     done.append(self.move(offset, lease, to))
-            elif offset in meta.mv and token == 0 and to is not None:
-                # A move some daemon began and did not finish: finish it (the tag
-                # keeps the dead-letter queue from storing it twice).
+            elif offset in meta.mv:
+                # A move begun by some daemon, maybe still under way: finish it
+                # too (the tag keeps the dead-letter queue from storing it twice),
+                # so that every move this reclaim saw is done when it returns.
                 moving = meta.mv[offset]
-                moving[4] = self.now_ms
                 tag = f"{meta.inc:x}:{offset}"
-                moved = Moved(offset, meta.shard, Message(b""), to, tag, redrive=bool(moving[5]))
+                dest = name_text(bytes(moving[0]))
+                moved = Moved(offset, meta.shard, Message(b""), dest, tag, redrive=bool(moving[5]))
                 self.wanted.add(offset)
                 self.later.append(functools.partial(self.fill, moved, int(moving[1])))
                 done.append(moved)

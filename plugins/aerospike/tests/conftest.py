@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("aerospike", reason="needs the aerospike client: pip install -e plugins/aerospike")
+pytest.importorskip("aerospike", reason="needs the aerospike client: pip install plugins/aerospike")
 
-from mqd.backend import StorageOptions
 from mqd_aerospike.backend import AerospikeBackend
 from mqd_aerospike.server import node, unavailable
+
+from mqd.backend import StorageOptions
 
 
 @pytest.fixture(scope="session")

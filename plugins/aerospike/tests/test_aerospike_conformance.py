@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mqd.backend import Backend, Capability
+from mqd.backend import Backend
 from mqd.testing.conformance import BackendConformance
 from mqd.testing.many import ManyDaemonConformance
 
@@ -14,7 +14,7 @@ from .conftest import make
 
 
 class TestAerospike(BackendConformance):
-    durable = False  # the server is the store: restarting a daemon loses nothing by design
+    durable = True  # a daemon restarting finds everything in the cluster
 
     @pytest.fixture(autouse=True)
     def _host(self, aerospike_host: str) -> None:
@@ -22,15 +22,6 @@ class TestAerospike(BackendConformance):
 
     def make_backend(self, data_dir: Path) -> Backend:
         return make(self.host, data_dir)
-
-
-class TestAerospikeSharded(TestAerospike):
-    """Every queue in 4 shards: ids stay unique, FIFO holds only within a shard."""
-
-    def make_backend(self, data_dir: Path) -> Backend:
-        backend = make(self.host, data_dir, shards=4)
-        backend.capabilities = backend.capabilities - {Capability.FIFO}
-        return backend
 
 
 class TestAerospikeShared(ManyDaemonConformance):
