@@ -81,6 +81,7 @@ class AerospikeBackend(Backend):
         self._pool: ThreadPoolExecutor | None = None
         self._lanes: dict[tuple[str, int], _Lane] = {}
         self._shards: dict[str, int] = {}  # queue -> shard count, as stored
+        self._looking: dict[str, asyncio.Future[int | None]] = {}
         self._empty: dict[tuple[str, int], bool] = {}  # last seen: nothing waiting there
         self._turn = random.randrange(1 << 16)  # where this daemon's gets and sets start
         self._watched: dict[str, int] = {}
@@ -177,6 +178,13 @@ class AerospikeBackend(Backend):
         known = self._shards.get(queue)
         if known is not None:
             return known
+        looking = self._looking.get(queue)
+        if looking is None:  # one read answers every call asking at once
+            looking = self._looking[queue] = asyncio.ensure_future(self._read_shards(queue))
+            looking.add_done_callback(lambda _: self._looking.pop(queue, None))
+        return await asyncio.shield(looking)
+
+    async def _read_shards(self, queue: str) -> int | None:
         metas = await self._blocking(self._store.read_metas, name_bytes(queue), [0])
         first = metas.get(0)
         if first is None:

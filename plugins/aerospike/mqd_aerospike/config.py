@@ -43,10 +43,9 @@ class AerospikeConfig:
     threads: int = 8
     #: How long a queue shard's lock is held at most before the next requester may break it.
     lock_lease_ms: int = 1000
-    #: How often queues that gets wait on are polled for messages put by other daemons.
+    #: From [storage] poll_interval_ms: how often queues that gets wait on are
+    #: polled for messages other daemons put.
     poll_interval_ms: int = 50
-    #: How often expired leases are looked for (any daemon may return them).
-    reclaim_interval_ms: int = 1000
     #: The largest message body to plan buffer records for: entries per record
     #: are as many as fit at this size, and larger bodies are refused.
     max_item_size: int = 1 << 20
@@ -92,8 +91,6 @@ class AerospikeConfig:
             "max_conns_per_node": (1, 100_000),
             "threads": (1, 1024),
             "lock_lease_ms": (50, 600_000),
-            "poll_interval_ms": (1, 60_000),
-            "reclaim_interval_ms": (10, 3_600_000),
             "max_item_size": (1, 8 << 20),
             "max_batch": (1, 100_000),
             "shards": (1, 1024),
@@ -103,7 +100,8 @@ class AerospikeConfig:
                 values[key] = reader.integer(key, low, high)
         if "queue_shards" in reader.table:
             values["queue_shards"] = _queue_shards(reader)
-        reader.leftovers([f.name for f in cls.__dataclass_fields__.values()])
+        own = [name for name in cls.__dataclass_fields__ if name != "poll_interval_ms"]
+        reader.leftovers(own)
         config = cls(**values)
         if not config.namespace:
             raise reader.fail("namespace", config.namespace, "must name a namespace")

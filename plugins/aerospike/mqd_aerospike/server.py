@@ -12,6 +12,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -37,12 +38,27 @@ def unavailable() -> str:
     )
 
 
+@dataclass(frozen=True)
+class Node:
+    """A server to use: its "host:port", and its process when it was started here."""
+
+    host: str
+    workdir: Path | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id, for freezing it; None for a server named by the user."""
+        if self.workdir is None:
+            return None
+        return int((self.workdir / "asd.pid").read_text().split()[0])
+
+
 @contextmanager
-def node(data_size: str = "", record_size: str = "") -> Iterator[str]:
-    """A server's "host:port" for the duration; a node started here is stopped after."""
+def node(data_size: str = "", record_size: str = "") -> Iterator[Node]:
+    """A server for the duration; a node started here is stopped after."""
     named = os.environ.get("MQD_AEROSPIKE_HOSTS")
     if named:
-        yield named.split(",")[0]
+        yield Node(named.split(",")[0])
         return
     where = server_dir()
     if where is None:
@@ -62,7 +78,7 @@ def node(data_size: str = "", record_size: str = "") -> Iterator[str]:
     try:
         if started.returncode != 0 or not started.stdout.strip():
             raise RuntimeError(f"aerospike did not start: {started.stderr.strip()[-500:]}")
-        yield started.stdout.strip().splitlines()[-1]
+        yield Node(started.stdout.strip().splitlines()[-1], Path(workdir))
     finally:
         if workdir:
             subprocess.run([str(where / "stop"), workdir], capture_output=True, timeout=120)

@@ -108,6 +108,9 @@ class Store:
         self.largest = config.max_item_size  # the largest body that fits
         self._calls = 0
         self._count = threading.Lock()
+        #: Cycles whose lock was broken under them: commits refused, writes fenced off.
+        self.refused = 0
+        self.fenced = 0
         #: Lock nonces of this daemon's cycles that failed holding a lock.
         self._held: dict[tuple[bytes, int], str] = {}
         #: The state each shard was left in by this daemon's last cycle, to
@@ -327,6 +330,8 @@ class Store:
         for o in ops:
             run.apply(o)
         if not run.finish():
+            self.fenced += 1
+            log.warning("queue %r shard %d: write fenced off, lock was broken", name, shard)
             self._held.pop(where, None)
             return RETRY
         old_head = meta.head
@@ -338,6 +343,8 @@ class Store:
             else:
                 self._commit(meta_key, nonce, {**meta.bins(now_ms), "lo": ""})
         except ae.FilteredOut:
+            self.refused += 1
+            log.warning("queue %r shard %d: commit refused, lock was broken", name, shard)
             self._held.pop(where, None)
             return RETRY
         self._held.pop(where, None)
@@ -792,8 +799,7 @@ class _Run:
         ]
         done = store.call(store.client.batch_write, BatchRecords(batch)).batch_records
         for record in done:
-            if record.result == FILTERED_OUT:
-                log.warning("write fenced off: a newer lock holder wrote this buffer record")
+            if record.result == FILTERED_OUT:  # a newer lock holder wrote this record
                 return False
             if record.result == 13:
                 raise StorageError(protocol.TOO_LARGE)

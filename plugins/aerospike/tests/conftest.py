@@ -11,18 +11,23 @@ import pytest
 pytest.importorskip("aerospike", reason="needs the aerospike client: pip install plugins/aerospike")
 
 from mqd_aerospike.backend import AerospikeBackend
-from mqd_aerospike.server import node, unavailable
+from mqd_aerospike.server import Node, node, unavailable
 
 from mqd.backend import StorageOptions
 
 
 @pytest.fixture(scope="session")
-def aerospike_host() -> Iterator[str]:
+def aerospike_node() -> Iterator[Node]:
     reason = unavailable()
     if reason:
         pytest.skip(reason)
-    with node() as host:
-        yield host
+    with node() as started:
+        yield started
+
+
+@pytest.fixture(scope="session")
+def aerospike_host(aerospike_node: Node) -> str:
+    return aerospike_node.host
 
 
 def prefix_for(data_dir: Path) -> str:

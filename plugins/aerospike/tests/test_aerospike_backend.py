@@ -1,0 +1,316 @@
+"""What the conformance suite cannot see: shards, growth, fencing, batching, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mqd_aerospike.backend import AerospikeBackend
+from mqd_aerospike.config import AerospikeConfig
+from mqd_aerospike.server import Node
+
+from mqd.backend import Message, Put, StorageOptions, Sync
+from mqd.errors import ConfigError, StorageError
+from mqd.testing.conformance import run_with
+
+from .conftest import make
+
+ALWAYS = Sync.ALWAYS
+
+
+async def fill(b: AerospikeBackend, queue: str, count: int, size: int = 0) -> None:
+    for i in range(count):
+        body = f"{i}".encode().ljust(size, b".")
+        assert await b.put(queue, Message(body), sync=ALWAYS) is Put.STORED
+
+
+async def drain(b: AerospikeBackend, queue: str) -> list[Message]:
+    out = []
+    while (m := await b.take(queue, sync=ALWAYS)) is not None:
+        out.append(m)
+    return out
+
+
+# -- configuration (no server needed) -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("table", "says"),
+    [
+        (
+            {"hosts": "127.0.0.1:3000"},
+            "storage.aerospike.hosts = '127.0.0.1:3000': must be a non-empty list of \"host:port\"",
+        ),
+        ({"hosts": ["127.0.0.1"]}, "storage.aerospike.hosts"),
+        ({"hosts": []}, "storage.aerospike.hosts"),
+        ({"namespace": 3}, "storage.aerospike.namespace = 3: must be a string"),
+        ({"shards": 0}, "storage.aerospike.shards = 0: must be a whole number from 1 to 1024"),
+        ({"queue_shards": {"jobs.*": "8"}}, "storage.aerospike.queue_shards.\"jobs.*\" = '8'"),
+        ({"lock_lease_ms": 10}, "storage.aerospike.lock_lease_ms = 10"),
+        ({"set_prefix": ""}, "storage.aerospike.set_prefix = ''"),
+        ({"host": ["x:1"]}, "storage.aerospike.host = ['x:1']: unknown key; known keys: hosts,"),
+    ],
+)
+def test_config_errors_name_file_key_and_allowed_values(table: dict[str, Any], says: str) -> None:
+    path = Path("/etc/mqd/mqd.toml")
+    with pytest.raises(ConfigError) as error:
+        AerospikeConfig.from_table(table, path)
+    assert str(error.value).startswith(f"{path}: {says}")
+
+
+def test_config_reads_hosts_and_shards_by_queue() -> None:
+    config = AerospikeConfig.from_table(
+        {"hosts": ["10.0.0.1:3000", "[::1]:3100"], "shards": 2, "queue_shards": {"jobs.*": 8}},
+        None,
+    )
+    assert config.hosts == (("10.0.0.1", 3000), ("::1", 3100))
+    assert (config.shards_for("jobs.x"), config.shards_for("other")) == (8, 2)
+
+
+# -- on the server -----------------------------------------------------------
+
+
+def test_unknown_namespace_is_a_config_error(aerospike_host: str, tmp_path: Path) -> None:
+    backend = make(aerospike_host, tmp_path, namespace="nope")
+    with pytest.raises(
+        ConfigError, match=r"storage\.aerospike\.namespace = 'nope': no such namespace"
+    ):
+        run_with(backend, lambda b: asyncio.sleep(0))
+
+
+def test_message_that_can_never_fit_is_refused(aerospike_host: str, tmp_path: Path) -> None:
+    async def body(b: AerospikeBackend) -> None:
+        with pytest.raises(StorageError, match=r"^object too large for cache$"):
+            await b.put("q", Message(b"x" * 2_000_000), sync=ALWAYS)
+        big = b"y" * 900_000  # over the planned size but within one record
+        assert await b.put("q", Message(big), sync=ALWAYS) is Put.STORED
+        taken = await b.take("q", sync=ALWAYS)
+        assert taken is not None and taken.body == big
+
+    run_with(make(aerospike_host, tmp_path, max_item_size=1 << 20), body)
+
+
+def test_queue_grows_past_many_records_without_copying(aerospike_host: str, tmp_path: Path) -> None:
+    """Unbounded: buffer records are chained as the tail needs them and removed behind the head."""
+
+    async def body(b: AerospikeBackend) -> None:
+        assert b._store.per == 3  # three 300 kB entries per 1 MiB record
+        await fill(b, "q", 40, size=1000)
+        records = await b._blocking(count_records, b)
+        assert records == 14  # ceil(40 / 3): one chain, nothing moved
+        got = await drain(b, "q")
+        assert [int(m.body.rstrip(b".")) for m in got] == list(range(40))
+        assert await b._blocking(count_records, b) == 1  # only the tail's record is left
+
+    run_with(make(aerospike_host, tmp_path, max_item_size=300_000), body)
+
+
+def count_records(b: AerospikeBackend) -> int:
+    store = b._store
+    query = store.client.query(store.config.namespace, store.buf_set)
+    return len(query.results())
+
+
+def test_shards_give_unique_ids_and_fifo_within_each(aerospike_host: str, tmp_path: Path) -> None:
+    async def body(b: AerospikeBackend) -> None:
+        await fill(b, "jobs", 40)
+        size = await b.size("jobs")
+        assert size is not None and size.items == 40
+        got = await drain(b, "jobs")
+        assert sorted(int(m.body) for m in got) == list(range(40))
+        ids = [m.offset for m in got]
+        assert len(set(ids)) == 40
+        by_shard: dict[int, list[int]] = {}
+        for m in got:
+            by_shard.setdefault(m.offset % 4, []).append(int(m.body))
+        assert sorted(by_shard) == [0, 1, 2, 3]
+        assert all(bodies == sorted(bodies) for bodies in by_shard.values())
+        # read_at finds a message by its id in whichever shard holds it.
+        await fill(b, "jobs", 8)
+        size = await b.size("jobs")
+        assert size is not None and size.items == 8
+        m = await b.take("jobs", sync=ALWAYS)
+        assert m is not None
+        assert await b.read_at("jobs", m.offset) is None  # taken: gone
+        rest = await drain(b, "jobs")
+        await fill(b, "jobs", 1)
+        peeked = await b.peek("jobs")
+        assert peeked is not None
+        found = await b.read_at("jobs", peeked.offset)
+        assert found is not None and found.body == peeked.body
+        assert len(rest) == 7
+
+    run_with(make(aerospike_host, tmp_path, queue_shards={"jobs": 4}), body)
+
+
+def test_one_lock_and_commit_serve_many_pending_calls(aerospike_host: str, tmp_path: Path) -> None:
+    """Puts and takes queued together, interleaved: every message out exactly once."""
+
+    async def body(b: AerospikeBackend) -> None:
+        await fill(b, "q", 1)
+        await drain(b, "q")
+        before = b.calls
+        calls = []
+        for i in range(200):
+            calls.append(b.put("q", Message(f"{i}".encode()), sync=ALWAYS))
+            calls.append(b.take("q", sync=ALWAYS))
+        results = await asyncio.gather(*calls)
+        assert b.calls - before < 20  # 400 calls served by a few cycles
+        taken = [m.body for m in results[1::2] if m is not None]
+        taken += [m.body for m in await drain(b, "q")]
+        assert sorted(taken, key=int) == [f"{i}".encode() for i in range(200)]
+        assert len(taken) == 200
+
+    run_with(make(aerospike_host, tmp_path), body)
+
+
+def test_broken_lock_refuses_commit_and_fences_stale_writes(
+    aerospike_host: str, tmp_path: Path
+) -> None:
+    """A daemon frozen past its lock's lease: its commit is refused and its slot write fenced."""
+
+    async def body(a: AerospikeBackend) -> None:
+        b = make(aerospike_host, tmp_path, owner="b", lock_lease_ms=50)
+        await b.open()
+        try:
+            await fill(a, "q", 1)  # the queue exists; a has a hint to prefetch with
+            for stage in ("write", "commit"):
+                pause = Freeze(a, stage)
+                frozen = asyncio.ensure_future(
+                    a.put("q", Message(f"a-{stage}".encode()), sync=ALWAYS)
+                )
+                await asyncio.get_running_loop().run_in_executor(None, pause.wait, 5)
+                # Past a's lease: b breaks the lock, writes and commits.
+                await asyncio.sleep(0.1)
+                assert await b.put("q", Message(f"b-{stage}".encode()), sync=ALWAYS) is Put.STORED
+                pause.resume()
+                assert await frozen is Put.STORED  # a ran its cycle again, under a new lock
+            assert (a._store.fenced, a._store.refused) == (1, 1)
+            got = [m.body for m in await drain(b, "q")]
+            assert got == [b"0", b"b-write", b"a-write", b"b-commit", b"a-commit"]
+        finally:
+            await b.close()
+
+    run_with(make(aerospike_host, tmp_path, owner="a", lock_lease_ms=50), body)
+
+
+class Freeze:
+    """Stop the backend's next buffer write ("write") or commit ("commit") until resumed."""
+
+    def __init__(self, backend: AerospikeBackend, stage: str) -> None:
+        import threading
+
+        self.reached = threading.Event()
+        self.go = threading.Event()
+        store = backend._store
+        original = store.call
+
+        def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            name = getattr(fn, "__name__", "")
+            writing = name == "batch_write" and _writes_buffer(args)
+            committing = name == "operate" and "policy" in kwargs and _is_commit(args)
+            if (stage == "write" and writing) or (stage == "commit" and committing):
+                store.call = original  # once
+                self.reached.set()
+                self.go.wait(10)
+            return original(fn, *args, **kwargs)
+
+        store.call = call  # type: ignore[method-assign]
+
+    def wait(self, timeout: float) -> bool:
+        return self.reached.wait(timeout)
+
+    def resume(self) -> None:
+        self.go.set()
+
+
+def _writes_buffer(args: tuple[Any, ...]) -> bool:
+    records = getattr(args[0], "batch_records", [])
+    return any(type(r).__name__ == "Write" and r.key[1].endswith("_buf") for r in records)
+
+
+def _is_commit(args: tuple[Any, ...]) -> bool:
+    # The commit is the operation that writes the lock free.
+    return any(o.get("bin") == "lo" and o.get("val") == "" for o in args[1])
+
+
+def test_frozen_server_gives_server_error_and_recovery(
+    aerospike_node: Node, tmp_path: Path
+) -> None:
+    pid = aerospike_node.pid
+    if pid is None:
+        pytest.skip("the server was not started here: cannot freeze it")
+
+    async def body(b: AerospikeBackend) -> None:
+        await fill(b, "q", 1)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(StorageError, match=r"^aerospike (timeout|cluster unavailable)"):
+                await b.put("q", Message(b"lost?"), sync=ALWAYS)
+            assert time.monotonic() - started < 5
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while True:  # the client finds the node again by itself
+            try:
+                stored = await b.put("q", Message(b"after"), sync=ALWAYS)
+                break
+            except StorageError:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+        assert stored is Put.STORED
+        bodies = [m.body for m in await drain(b, "q")]
+        # Acknowledged messages are all there; the refused one may be too (at least once).
+        assert bodies[0] == b"0" and bodies[-1] == b"after"
+        assert set(bodies) <= {b"0", b"lost?", b"after"}
+
+    table = {"total_timeout_ms": 500, "socket_timeout_ms": 250, "lock_lease_ms": 200}
+    run_with(make(aerospike_node.host, tmp_path, **table), body)
+
+
+def test_sets_on_one_daemon_wake_gets_on_another_within_the_poll_interval(
+    aerospike_host: str, tmp_path: Path
+) -> None:
+    async def body(a: AerospikeBackend) -> None:
+        b = make(aerospike_host, tmp_path, owner="b")
+        await b.open()
+        woken: asyncio.Queue[str] = asyncio.Queue()
+        b.listen(woken.put_nowait)
+        try:
+            await fill(a, "q", 1)
+            await drain(b, "q")
+            b.watch("q", True)
+            await asyncio.sleep(0.05)
+            sent = time.monotonic()
+            await a.put("q", Message(b"hello"), sync=ALWAYS)
+            assert await asyncio.wait_for(woken.get(), 2) == "q"
+            assert time.monotonic() - sent < 1.0
+            b.watch("q", False)
+        finally:
+            await b.close()
+
+    run_with(make(aerospike_host, tmp_path), body)
+
+
+def test_backend_is_listed_with_its_capabilities() -> None:
+    from click.testing import CliRunner
+
+    from mqd.cli import main
+
+    result = CliRunner().invoke(main, ["backends"], terminal_width=200)
+    assert result.exit_code == 0
+    line = next(row for row in result.output.splitlines() if "aerospike" in row)
+    assert "mqd-aerospike" in line and "shared" in line and "offset" in line
+
+
+def test_options_come_from_the_storage_table() -> None:
+    options = StorageOptions(extra={"hosts": ["127.0.0.1:1"], "shards": 3}, poll_interval_ms=7)
+    backend = AerospikeBackend(options)
+    assert backend.config.hosts == (("127.0.0.1", 1),)
+    assert (backend.config.shards, backend.config.poll_interval_ms) == (3, 7)
