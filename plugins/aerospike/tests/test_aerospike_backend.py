@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -134,9 +135,9 @@ def test_shards_give_unique_ids_and_fifo_within_each(aerospike_host: str, tmp_pa
         await fill(b, "jobs", 8)
         size = await b.size("jobs")
         assert size is not None and size.items == 8
-        m = await b.take("jobs", sync=ALWAYS)
-        assert m is not None
-        assert await b.read_at("jobs", m.offset) is None  # taken: gone
+        one = await b.take("jobs", sync=ALWAYS)
+        assert one is not None
+        assert await b.read_at("jobs", one.offset) is None  # taken: gone
         rest = await drain(b, "jobs")
         await fill(b, "jobs", 1)
         peeked = await b.peek("jobs")
@@ -155,13 +156,13 @@ def test_one_lock_and_commit_serve_many_pending_calls(aerospike_host: str, tmp_p
         await fill(b, "q", 1)
         await drain(b, "q")
         before = b.calls
-        calls = []
+        calls: list[Coroutine[Any, Any, object]] = []
         for i in range(200):
             calls.append(b.put("q", Message(f"{i}".encode()), sync=ALWAYS))
             calls.append(b.take("q", sync=ALWAYS))
         results = await asyncio.gather(*calls)
         assert b.calls - before < 20  # 400 calls served by a few cycles
-        taken = [m.body for m in results[1::2] if m is not None]
+        taken = [m.body for m in results[1::2] if isinstance(m, Message)]
         taken += [m.body for m in await drain(b, "q")]
         assert sorted(taken, key=int) == [f"{i}".encode() for i in range(200)]
         assert len(taken) == 200
@@ -220,7 +221,7 @@ class Freeze:
                 self.go.wait(10)
             return original(fn, *args, **kwargs)
 
-        store.call = call  # type: ignore[method-assign]
+        store.call = call
 
     def wait(self, timeout: float) -> bool:
         return self.reached.wait(timeout)
@@ -270,8 +271,9 @@ def test_frozen_server_gives_server_error_and_recovery(
         assert bodies[0] == b"0" and bodies[-1] == b"after"
         assert set(bodies) <= {b"0", b"lost?", b"after"}
 
-    table = {"total_timeout_ms": 500, "socket_timeout_ms": 250, "lock_lease_ms": 200}
-    run_with(make(aerospike_node.host, tmp_path, **table), body)
+    timeouts = {"total_timeout_ms": 500, "socket_timeout_ms": 250}
+    short = make(aerospike_node.host, tmp_path, lock_lease_ms=200, **timeouts)
+    run_with(short, body)
 
 
 def test_sets_on_one_daemon_wake_gets_on_another_within_the_poll_interval(
