@@ -271,7 +271,7 @@ def test_frozen_server_gives_server_error_and_recovery(
         assert bodies[0] == b"0" and bodies[-1] == b"after"
         assert set(bodies) <= {b"0", b"lost?", b"after"}
 
-    timeouts = {"total_timeout_ms": 500, "socket_timeout_ms": 250}
+    timeouts: dict[str, Any] = {"total_timeout_ms": 500, "socket_timeout_ms": 250}
     short = make(aerospike_node.host, tmp_path, lock_lease_ms=200, **timeouts)
     run_with(short, body)
 
