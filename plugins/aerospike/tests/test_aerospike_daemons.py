@@ -1,0 +1,252 @@
+"""Three real daemons on one Aerospike node, with one killed and one frozen under load.
+
+Producers send unique ids with `set` to any live daemon; consumers on every
+daemon take them with reliable reads (`get q/t=200/open`, then `get q/close`).
+While they run, daemon 0 is killed with SIGKILL (its open messages come back
+through the others after the visibility timeout) and daemon 1 is frozen with
+SIGSTOP while it holds a queue's lock, kept frozen past the lock's lease while
+the others go on, and resumed: its commit must be refused or its write fenced
+off. Then the books must balance:
+
+- every message that got STORED was closed by some consumer;
+- none was closed twice, and none was handed out again unless it was open on
+  a daemon or connection that died;
+- nothing was delivered that was never sent.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import aerospike
+from mqd_aerospike.server import Node
+
+from mqd.testing.daemon import Daemon
+
+from .conftest import prefix_for
+
+QUEUE = "chaos"
+LEASE_MS = 300
+VISIBILITY = 3.0
+
+
+class Gone(Exception):
+    """The daemon is dead or frozen."""
+
+
+class Client:
+    def __init__(self, daemon: Daemon) -> None:
+        self.sock = socket.create_connection(daemon.address, timeout=3)
+        self.buf = b""
+
+    def line(self) -> bytes:
+        while b"\r\n" not in self.buf:
+            try:
+                chunk = self.sock.recv(65536)
+            except OSError as exc:
+                raise Gone(str(exc)) from exc
+            if not chunk:
+                raise Gone("closed")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\r\n", 1)
+        return line
+
+    def call(self, data: bytes) -> bytes:
+        try:
+            self.sock.sendall(data)
+        except OSError as exc:
+            raise Gone(str(exc)) from exc
+        return self.line()
+
+    def get(self, key: str) -> bytes | None:
+        head = self.call(b"get %b\r\n" % key.encode())
+        if head == b"END":
+            return None
+        assert head.startswith(b"VALUE "), head
+        body = self.line()
+        assert self.line() == b"END"
+        return body
+
+
+class Books:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sent: set[bytes] = set()
+        self.stored: set[bytes] = set()
+        self.opened: Counter[bytes] = Counter()
+        self.closed: Counter[bytes] = Counter()
+        self.abandoned: set[bytes] = set()  # open on a connection that died
+        self.errors: list[str] = []
+
+    def problems(self) -> list[str]:
+        out = list(self.errors)
+        missing = self.stored - set(self.closed)
+        if missing:
+            out.append(f"{len(missing)} stored, never closed: {sorted(missing)[:5]}")
+        twice = [m for m, n in self.closed.items() if n > 1]
+        if twice:
+            out.append(f"closed more than once: {twice[:5]}")
+        again = [m for m, n in self.opened.items() if n > 1 and m not in self.abandoned]
+        if again:
+            out.append(f"handed out again though never abandoned: {again[:5]}")
+        strange = set(self.opened) - self.sent
+        if strange:
+            out.append(f"delivered, never sent: {sorted(strange)[:5]}")
+        return out
+
+
+def produce(daemons: list[Daemon], index: int, books: Books, stop: threading.Event) -> None:
+    n = 0
+    target = index
+    client: Client | None = None
+    while not stop.is_set():
+        try:
+            if client is None:
+                client = Client(daemons[target % len(daemons)])
+            message = b"p%d-%d" % (index, n)
+            n += 1
+            with books.lock:
+                books.sent.add(message)
+            reply = client.call(b"set %b 0 0 %d\r\n%b\r\n" % (QUEUE.encode(), len(message), message))
+            if reply == b"STORED":
+                with books.lock:
+                    books.stored.add(message)
+            elif not reply.startswith(b"SERVER_ERROR"):
+                books.errors.append(f"set answered {reply!r}")
+            time.sleep(0.002)
+        except (Gone, OSError):
+            client = None
+            target += 1  # that daemon is dead or frozen: go to another
+            time.sleep(0.05)
+
+
+def consume(daemon: Daemon, books: Books, stop: threading.Event) -> None:
+    client: Client | None = None
+    while not stop.is_set():
+        held = None
+        try:
+            if client is None:
+                client = Client(daemon)
+            held = client.get(f"{QUEUE}/t=200/open")
+            if held is None:
+                continue
+            with books.lock:
+                books.opened[held] += 1
+            time.sleep(0.02)  # work on it: a kill now finds it open
+            assert client.get(f"{QUEUE}/close") is None
+            with books.lock:
+                books.closed[held] += 1
+        except (Gone, OSError):
+            if held is not None:
+                with books.lock:
+                    books.abandoned.add(held)
+            client = None
+            time.sleep(0.1)
+
+
+def config(node: Node, prefix: str, n: int) -> str:
+    return f"""
+[storage]
+daemon_id = "d{n}"
+reclaim_interval = 0.2
+poll_interval_ms = 20
+
+[storage.aerospike]
+hosts = ["{node.host}"]
+set_prefix = "{prefix}"
+lock_lease_ms = {LEASE_MS}
+total_timeout_ms = 1000
+
+[queues."*"]
+visibility_timeout = {VISIBILITY}
+"""
+
+
+def lock_holder(node: Node, prefix: str) -> str:
+    host, port = node.host.rsplit(":", 1)
+    client = aerospike.client({"hosts": [(host, int(port))]}).connect()
+    try:
+        key = ("test", f"{prefix}_meta", bytearray(b"0\0" + QUEUE.encode()))
+        bins = client.get(key)[2]
+        return str(bins.get("lo") or "") if bins.get("lx", 0) > time.time() * 1000 else ""
+    finally:
+        client.close()
+
+
+def freeze_holding_lock(daemon: Daemon, node: Node, prefix: str, owner: str) -> bool:
+    """SIGSTOP `daemon` at a moment the queue's lock is its own; False if never caught so."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if lock_holder(node, prefix).startswith(owner + "/"):
+            daemon.signal(signal.SIGSTOP)
+            if lock_holder(node, prefix).startswith(owner + "/"):
+                return True
+            daemon.signal(signal.SIGCONT)
+    daemon.signal(signal.SIGSTOP)
+    return False
+
+
+def test_three_daemons_one_killed_one_frozen_lose_and_double_nothing(
+    aerospike_node: Node, tmp_path: Path
+) -> None:
+    prefix = prefix_for(tmp_path)
+    daemons = []
+    for n in range(3):
+        workdir = tmp_path / f"d{n}"
+        workdir.mkdir()
+        daemons.append(Daemon(workdir, "aerospike", config(aerospike_node, prefix, n)).start())
+    books = Books()
+    stop_producing, stop_consuming = threading.Event(), threading.Event()
+    threads = [
+        threading.Thread(target=produce, args=(daemons, i, books, stop_producing))
+        for i in range(3)
+    ]
+    threads += [
+        threading.Thread(target=consume, args=(d, books, stop_consuming))
+        for d in daemons
+        for _ in range(2)
+    ]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        daemons[0].kill()  # holding open messages, maybe the lock
+        time.sleep(0.5)
+        caught = freeze_holding_lock(daemons[1], aerospike_node, prefix, "d1")
+        time.sleep(LEASE_MS / 1000 * 3)  # the others break its lock and go on
+        daemons[1].signal(signal.SIGCONT)
+        time.sleep(1.0)
+        stop_producing.set()
+        deadline = time.monotonic() + VISIBILITY + 10
+        while time.monotonic() < deadline and not books.stored <= set(books.closed):
+            time.sleep(0.2)
+        stop_consuming.set()
+        for t in threads:
+            t.join(10)
+        log = daemons[1].log()
+        refused = log.count("commit refused, lock was broken")
+        fenced = log.count("write fenced off, lock was broken")
+        print(
+            f"stored {len(books.stored)}, closed {sum(books.closed.values())}, "
+            f"abandoned {len(books.abandoned)}; frozen while holding the lock: {caught}; "
+            f"its commits refused {refused}, writes fenced {fenced}"
+        )
+        problems = books.problems()
+        assert not problems, "\n".join(problems) + "\n" + log[-3000:]
+        assert len(books.stored) > 200
+        assert books.abandoned, "no message was open on the killed daemon"
+        assert caught, "daemon 1 was never caught holding the lock"
+        assert refused + fenced >= 1, log[-3000:]
+    finally:
+        stop_producing.set()
+        stop_consuming.set()
+        for d in daemons:
+            if d.process is not None and d.process.poll() is None:
+                os.kill(d.pid, signal.SIGCONT)
+            d.kill()
