@@ -82,3 +82,41 @@ def node(data_size: str = "", record_size: str = "") -> Iterator[Node]:
     finally:
         if workdir:
             subprocess.run([str(where / "stop"), workdir], capture_output=True, timeout=120)
+
+
+#: Server counters that each count one client call: single-record reads,
+#: writes and deletes (whatever their outcome) and queries, per namespace.
+_CALL_COUNTERS = ("client_read_", "client_write_", "client_delete_", "pi_query_", "si_query_")
+_OUTCOMES = ("success", "error", "not_found", "filtered_out", "timeout", "complete", "abort")
+
+
+def calls_served(host: str, namespace: str = "test") -> int:
+    """Client calls the node has answered so far (a batch counts once), by its own books.
+
+    Benchmarks take the difference over a run: a count the machine's noise
+    does not change, and one the daemon under test does not report itself.
+    """
+    import aerospike
+
+    name, port = host.rsplit(":", 1)
+    client = aerospike.client({"hosts": [(name, int(port))]}).connect()
+    try:
+        counters = _info_pairs(client.info_random_node(f"namespace/{namespace}"))
+        general = _info_pairs(client.info_random_node("statistics"))
+    finally:
+        client.close()
+    total = general.get("batch_index_initiate", 0)
+    for key, value in counters.items():
+        if key.startswith(_CALL_COUNTERS) and key.endswith(_OUTCOMES):
+            total += value
+    return total
+
+
+def _info_pairs(answer: str) -> dict[str, int]:
+    body = answer.split("\t", 1)[-1]
+    out = {}
+    for item in body.strip().split(";"):
+        key, _, value = item.partition("=")
+        if value.isdigit():
+            out[key] = int(value)
+    return out
