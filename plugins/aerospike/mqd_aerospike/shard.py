@@ -55,6 +55,9 @@ class Meta:
     tags: dict[str, int] = field(default_factory=dict)
     fence: int = 0
     created: bool = False  # made by this cycle: the record did not exist
+    #: Whether `tags` was read, so a commit may write it (only dead-letter
+    #: moves read it; other commits leave the bin as it is).
+    with_tags: bool = True
 
     @classmethod
     def from_bins(cls, bins: dict[str, Any], name: bytes, shard: int) -> Meta | None:
@@ -88,9 +91,8 @@ class Meta:
 
     def bins(self, now_ms: int) -> dict[str, Any]:
         """Every bin a commit writes."""
-        self._prune_tags(now_ms)
         deadlines = [lease[2] for lease in self.open.values() if lease[2]]
-        return {
+        out = {
             "qn": bytearray(self.name),
             "sh": self.shard,
             "ns": self.shards,
@@ -106,10 +108,13 @@ class Meta:
             "gone": self.gone,
             "open": self.open,
             "mv": self.mv,
-            "tags": self.tags,
             # The earliest lease deadline: reclaim looks only at shards whose has passed.
             "dl": min(deadlines, default=0),
         }
+        if self.with_tags:
+            self._prune_tags(now_ms)
+            out["tags"] = self.tags
+        return out
 
     def _prune_tags(self, now_ms: int) -> None:
         if not self.tags:

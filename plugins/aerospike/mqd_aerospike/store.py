@@ -322,6 +322,7 @@ class Store:
                 return DONE
             meta = Meta.new(name, shard, shards, self.per)
         meta.fence = int(bins["fence"])
+        meta.with_tags = any(isinstance(o, PutOp) and o.tag for o in ops)
         if entries and self._hints[where][3] != meta.inc:
             entries.clear()  # prefetched from an incarnation that is gone
         if meta.created and shard:

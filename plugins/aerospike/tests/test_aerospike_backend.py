@@ -15,7 +15,7 @@ from mqd_aerospike.backend import AerospikeBackend
 from mqd_aerospike.config import AerospikeConfig
 from mqd_aerospike.server import Node
 
-from mqd.backend import Message, Put, StorageOptions, Sync
+from mqd.backend import NO_LIMITS, Message, Put, StorageOptions, Sync
 from mqd.errors import ConfigError, StorageError
 from mqd.testing.conformance import run_with
 
@@ -316,3 +316,18 @@ def test_options_come_from_the_storage_table() -> None:
     backend = AerospikeBackend(options)
     assert backend.config.hosts == (("127.0.0.1", 1),)
     assert (backend.config.shards, backend.config.poll_interval_ms) == (3, 7)
+
+
+def test_a_move_finished_twice_is_stored_once(aerospike_host: str, tmp_path: Path) -> None:
+    """The dead-letter queue remembers a move's tag across other commits."""
+
+    async def body(b: AerospikeBackend) -> None:
+        first = await b._put("dead", Message(b"moved"), NO_LIMITS, "1f:7")
+        assert first.result is Put.STORED
+        await fill(b, "dead", 3)  # ordinary commits in between
+        await drain(b, "dead")
+        again = await b._put("dead", Message(b"moved"), NO_LIMITS, "1f:7")
+        assert again.result is Put.DUPLICATE
+        assert await b.take("dead", sync=ALWAYS) is None
+
+    run_with(make(aerospike_host, tmp_path), body)
