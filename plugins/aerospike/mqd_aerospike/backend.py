@@ -84,6 +84,7 @@ class AerospikeBackend(Backend):
         self._looking: dict[str, asyncio.Future[int | None]] = {}
         self._empty: dict[tuple[str, int], bool] = {}  # last seen: nothing waiting there
         self._turn = random.randrange(1 << 16)  # where this daemon's gets and sets start
+        self._homes: dict[str, int] = {}  # the shard this daemon's sets go to now, by queue
         self._watched: dict[str, int] = {}
         self._seen: dict[str, tuple[int, ...]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -275,13 +276,24 @@ class AerospikeBackend(Backend):
         elif tag:
             shard = sum(tag.encode()) % shards  # the same shard every time: it holds the tag
         else:
-            self._turn += 1
-            shard = self._turn % shards
+            shard = self._put_shard(queue, shards)
         op = PutOp(message=message, limits=limits, tag=tag, fanout=fanout)
         await self._submit(queue, shard, op, shards)
         if op.result is Put.STORED:
             self._empty.pop((queue, shard), None)
         return op
+
+    def _put_shard(self, queue: str, shards: int) -> int:
+        """The shard a set goes to: one whose cycle is under way, so that it
+        joins the next batch there, or else the next in this daemon's turn."""
+        home = self._homes.get(queue)
+        if home is not None:
+            lane = self._lanes.get((queue, home))
+            if lane is not None and lane.running:
+                return home
+        self._turn += 1
+        self._homes[queue] = home = self._turn % shards
+        return home
 
     async def take(self, queue: str, *, sync: Sync) -> Message | None:
         return await self._dequeue(queue, TakeOp)
@@ -469,6 +481,7 @@ class AerospikeBackend(Backend):
 
     def _forget(self, queue: str, shards: int) -> None:
         self._shards.pop(queue, None)
+        self._homes.pop(queue, None)
         for s in range(shards):
             self._empty.pop((queue, s), None)
 
@@ -526,8 +539,12 @@ class AerospikeBackend(Backend):
     async def _poll(self) -> None:
         """Wake gets waiting here when another daemon changed a watched queue."""
         interval = self.config.poll_interval_ms / 1000
+        loop = asyncio.get_running_loop()
+        began = loop.time()
         while True:
-            await asyncio.sleep(interval)
+            # A poll every interval, the time the last one took included.
+            await asyncio.sleep(max(began + interval - loop.time(), 0))
+            began = loop.time()
             if not self._watched or self._store is None:
                 continue
             watched = {q: self._shards.get(q) or 1 for q in self._watched}
