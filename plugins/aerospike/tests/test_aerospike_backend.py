@@ -12,10 +12,9 @@ from typing import Any
 
 import pytest
 from mqd_aerospike.backend import AerospikeBackend
-from mqd_aerospike.config import AerospikeConfig
 from mqd_aerospike.server import Node
 
-from mqd.backend import NO_LIMITS, Message, Put, StorageOptions, Sync
+from mqd.backend import NO_LIMITS, Message, Put, Sync
 from mqd.errors import ConfigError, StorageError
 from mqd.testing.conformance import run_with
 
@@ -35,42 +34,6 @@ async def drain(b: AerospikeBackend, queue: str) -> list[Message]:
     while (m := await b.take(queue, sync=ALWAYS)) is not None:
         out.append(m)
     return out
-
-
-# -- configuration (no server needed) -------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("table", "says"),
-    [
-        (
-            {"hosts": "127.0.0.1:3000"},
-            "storage.aerospike.hosts = '127.0.0.1:3000': must be a non-empty list of \"host:port\"",
-        ),
-        ({"hosts": ["127.0.0.1"]}, "storage.aerospike.hosts"),
-        ({"hosts": []}, "storage.aerospike.hosts"),
-        ({"namespace": 3}, "storage.aerospike.namespace = 3: must be a string"),
-        ({"shards": 0}, "storage.aerospike.shards = 0: must be a whole number from 1 to 1024"),
-        ({"queue_shards": {"jobs.*": "8"}}, "storage.aerospike.queue_shards.\"jobs.*\" = '8'"),
-        ({"lock_lease_ms": 10}, "storage.aerospike.lock_lease_ms = 10"),
-        ({"set_prefix": ""}, "storage.aerospike.set_prefix = ''"),
-        ({"host": ["x:1"]}, "storage.aerospike.host = ['x:1']: unknown key; known keys: hosts,"),
-    ],
-)
-def test_config_errors_name_file_key_and_allowed_values(table: dict[str, Any], says: str) -> None:
-    path = Path("/etc/mqd/mqd.toml")
-    with pytest.raises(ConfigError) as error:
-        AerospikeConfig.from_table(table, path)
-    assert str(error.value).startswith(f"{path}: {says}")
-
-
-def test_config_reads_hosts_and_shards_by_queue() -> None:
-    config = AerospikeConfig.from_table(
-        {"hosts": ["10.0.0.1:3000", "[::1]:3100"], "shards": 2, "queue_shards": {"jobs.*": 8}},
-        None,
-    )
-    assert config.hosts == (("10.0.0.1", 3000), ("::1", 3100))
-    assert (config.shards_for("jobs.x"), config.shards_for("other")) == (8, 2)
 
 
 # -- on the server -----------------------------------------------------------
@@ -298,24 +261,6 @@ def test_sets_on_one_daemon_wake_gets_on_another_within_the_poll_interval(
             await b.close()
 
     run_with(make(aerospike_host, tmp_path), body)
-
-
-def test_backend_is_listed_with_its_capabilities() -> None:
-    from click.testing import CliRunner
-
-    from mqd.cli import main
-
-    result = CliRunner().invoke(main, ["backends"], terminal_width=200)
-    assert result.exit_code == 0
-    line = next(row for row in result.output.splitlines() if "aerospike" in row)
-    assert "mqd-aerospike" in line and "shared" in line and "offset" in line
-
-
-def test_options_come_from_the_storage_table() -> None:
-    options = StorageOptions(extra={"hosts": ["127.0.0.1:1"], "shards": 3}, poll_interval_ms=7)
-    backend = AerospikeBackend(options)
-    assert backend.config.hosts == (("127.0.0.1", 1),)
-    assert (backend.config.shards, backend.config.poll_interval_ms) == (3, 7)
 
 
 def test_a_move_finished_twice_is_stored_once(aerospike_host: str, tmp_path: Path) -> None:
