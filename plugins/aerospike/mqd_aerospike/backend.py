@@ -37,6 +37,7 @@ from mqd_aerospike.config import AerospikeConfig
 from mqd_aerospike.ops import (
     DeleteOp,
     FinishMoveOp,
+    HoleOp,
     LeaseOp,
     Moved,
     Op,
@@ -159,11 +160,22 @@ class AerospikeBackend(Backend):
                     continue
                 if outcome == "done":
                     backoff = BACKOFF_FIRST
+                    holes = []
                     for o in batch:
                         if o.shards:
                             self._shards[queue] = o.shards
-                        if not o.future.done():
+                        if isinstance(o, PutOp) and o.hole is not None:
+                            holes.append(o.hole)
+                        if o.future.done():
+                            continue
+                        if o.error is not None:
+                            o.future.set_exception(o.error)
+                        else:
                             o.future.set_result(o.result)
+                    if holes:
+                        self._submit(queue, shard, HoleOp(holes=holes), shards).add_done_callback(
+                            _log_failure
+                        )
                     continue
                 lane.pending[0:0] = batch
                 if outcome == "busy":
@@ -562,6 +574,11 @@ class AerospikeBackend(Backend):
                             self._empty.pop((queue, shard), None)
                     self._wake(queue)
                 self._seen[queue] = generations
+
+
+def _log_failure(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("could not correct a queue's counters: %s", future.exception())
 
 
 def _wrap(error: Exception) -> StorageError:

@@ -19,6 +19,8 @@ class Op:
     dequeue: bool = field(default=False, init=False)
     #: The queue's shard count, as the cycle found it stored.
     shards: int = field(default=0, init=False)
+    #: Set instead of a result when this operation alone failed in its cycle.
+    error: Exception | None = field(default=None, init=False)
 
 
 @dataclass(eq=False)
@@ -31,6 +33,9 @@ class PutOp(Op):
     #: which the cycle then reads into `children`.
     fanout: bool = False
     children: list[str] = field(default_factory=list)
+    #: (offset, size) when the commit landed but the entry's write did not:
+    #: a hole the queue's counters must forget (HoleOp).
+    hole: tuple[int, int] | None = None
     result: Put | None = None
 
 
@@ -77,6 +82,13 @@ class FinishMoveOp(Op):
     """The message moving to a dead-letter queue is stored there: forget it here."""
 
     offset: int = 0
+
+
+@dataclass(eq=False)
+class HoleOp(Op):
+    """Offsets committed whose entries were never written: (offset, size) each."""
+
+    holes: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(eq=False)

@@ -176,6 +176,16 @@ class Meta:
         else:
             self.gone[offset] = 1
 
+    def forget_hole(self, offset: int, size: int) -> None:
+        """An offset committed without its entry: out of the counters, and skipped."""
+        if offset >= self.cur:
+            if offset in self.gone or offset >= self.tail:
+                return
+            self.gone[offset] = 1
+            self.items -= 1
+        # Below cur a dequeue already passed it and took it out of `items`.
+        self.size -= size
+
     def waiting_offsets(self) -> list[int]:
         """Every waiting offset, oldest first."""
         fresh = (o for o in range(self.cur, self.tail) if o not in self.gone)

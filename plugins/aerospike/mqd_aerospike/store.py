@@ -46,6 +46,7 @@ from mqd_aerospike.config import AerospikeConfig
 from mqd_aerospike.ops import (
     DeleteOp,
     FinishMoveOp,
+    HoleOp,
     LeaseOp,
     Moved,
     Op,
@@ -330,19 +331,16 @@ class Store:
         run = _Run(self, meta, entries, now)
         for o in ops:
             run.apply(o)
-        if not run.finish():
-            self.fenced += 1
-            log.warning("queue %r shard %d: write fenced off, lock was broken", name, shard)
-            self._held.pop(where, None)
-            return RETRY
+        writes = run.prepare()
         old_head = meta.head
         meta.head = meta.low_water()
         deleting = any(isinstance(o, DeleteOp) and run.results.get(id(o)) for o in ops)
         try:
             if deleting:
                 self._delete(meta_key, nonce, meta, old_head)
-            else:
-                self._commit(meta_key, nonce, {**meta.bins(now_ms), "lo": ""})
+            elif not self._commit(meta_key, nonce, {**meta.bins(now_ms), "lo": ""}, writes, run):
+                self._held.pop(where, None)
+                return RETRY
         except ae.FilteredOut:
             self.refused += 1
             log.warning("queue %r shard %d: commit refused, lock was broken", name, shard)
@@ -410,10 +408,45 @@ class Store:
         for o in ops:
             o.result = [] if isinstance(o, ReclaimOp) else (None if o.dequeue else False)
 
-    def _commit(self, key: Any, nonce: str, bins: dict[str, Any]) -> None:
+    def _commit(
+        self,
+        key: Any,
+        nonce: str,
+        bins: dict[str, Any],
+        writes: list[Write] | None = None,
+        run: _Run | None = None,
+    ) -> bool:
+        """Write the state and free the lock, refused unless the lock is still ours.
+
+        The cycle's new entries go in the same batch call. The server applies
+        a batch's records independently, so each outcome is looked at:
+        - commit refused: the lock was broken; nothing this cycle wrote is
+          visible (entries past the committed tail are never read): False.
+        - commit made, an entry's record refused the write (fenced off by a
+          newer lock holder: the lease ran out while the call was on its way)
+          or failed: that set gets SERVER_ERROR, never STORED, and its offset
+          is a hole readers pass over (HoleOp corrects the counters).
+        """
         policy = {"expressions": x.Eq(x.StrBin("lo"), nonce).compile()}
         ops = [op.write(name, value) for name, value in bins.items()]
-        self.call(self.client.operate, key, ops, policy=policy)
+        if not writes or run is None:
+            self.call(self.client.operate, key, ops, policy=policy)
+            return True
+        batch = [Write(key, ops, policy=policy), *writes]
+        done = self.call(self.client.batch_write, BatchRecords(batch)).batch_records
+        commit, entries = done[0], done[1:]
+        fenced = any(r.result == FILTERED_OUT for r in entries)
+        if fenced:
+            self.fenced += 1
+            log.warning("queue %r: write fenced off, lock was broken", bins["qn"])
+        if commit.result == FILTERED_OUT:
+            raise ae.FilteredOut()
+        if commit.result != 0:
+            raise StorageError(f"aerospike: commit failed with code {commit.result}")
+        for write, record in zip(writes, entries, strict=True):
+            if record.result != 0:
+                run.lost(write.key, record.result)
+        return True
 
     def _ensure_first_shard(self, meta: Meta) -> None:
         """A queue is listed by its shard 0: make it exist when another shard is created."""
@@ -585,6 +618,8 @@ class _Run:
         self.writes: dict[int, list[Any]] = {}
         self.later: list[Callable[[], None]] = []  # applied once the entries they need are read
         self.wanted: set[int] = set()
+        self.puts: dict[PutOp, int] = {}  # each stored put's offset
+        self.keys: dict[bytes, int] = {}  # buffer record's user key -> its index
 
     def entry(self, offset: int) -> list[Any] | None:
         if offset not in self.entries:
@@ -619,6 +654,9 @@ class _Run:
                 meta.items -= 1
                 meta.size -= int(moving[2])
             self.results[id(o)] = moving is not None
+        elif isinstance(o, HoleOp):
+            for offset, size in o.holes:
+                meta.forget_hole(offset, size)
         elif isinstance(o, DeleteOp):
             idle = not (meta.items or meta.open or meta.mv) and meta.last_put < o.before
             self.results[id(o)] = not o.before or idle
@@ -647,6 +685,7 @@ class _Run:
         meta.size += size
         # Also where this cycle's own dequeues look: they may take it at once.
         self.writes[offset] = self.entries[offset] = entry(message, meta.fence)
+        self.puts[o] = offset
         message.offset = meta.global_id(offset)
         if o.tag:
             meta.tags[o.tag] = self.now_ms
@@ -776,21 +815,20 @@ class _Run:
                 done.append(moved)
         return done
 
-    def finish(self) -> bool:
-        """Read what is still needed, write the new entries; False if fenced off."""
+    def prepare(self) -> list[Write]:
+        """Read what is still needed; the writes of the new entries, fenced by this lock."""
         missing = [o for o in self.wanted if o not in self.entries]
         if missing:
             self.entries.update(self.store.read_entries(self.meta, missing))
         for step in self.later:
             step()
-        if not self.writes:
-            return True
         meta, store = self.meta, self.store
         by_record: dict[int, dict[int, list[Any]]] = {}
         for offset, value in self.writes.items():
             by_record.setdefault(offset // meta.per, {})[offset] = value
         fence = _fence_ok(meta.fence)
-        batch = [
+        self.keys = {bytes(store.buf_key(meta, i)[2]): i for i in by_record}
+        return [
             Write(
                 store.buf_key(meta, index),
                 [op.write("f", meta.fence), mo.map_put_items("s", slots, KEY_ORDERED)],
@@ -798,15 +836,17 @@ class _Run:
             )
             for index, slots in by_record.items()
         ]
-        done = store.call(store.client.batch_write, BatchRecords(batch)).batch_records
-        for record in done:
-            if record.result == FILTERED_OUT:  # a newer lock holder wrote this record
-                return False
-            if record.result == 13:
-                raise StorageError(protocol.TOO_LARGE)
-            if record.result != 0:
-                raise StorageError(f"aerospike: buffer write failed with code {record.result}")
-        return True
+
+    def lost(self, key: Any, code: int) -> None:
+        """The entries of one buffer record were not written though the commit was made."""
+        index = self.keys[bytes(key[2])]
+        per = self.meta.per
+        for o in self.puts:
+            offset = self.puts[o]
+            if offset // per == index:
+                reason = protocol.TOO_LARGE if code == 13 else f"aerospike: write failed ({code})"
+                o.error = StorageError(reason)
+                o.hole = (offset, len(self.writes[offset][0]))
 
 
 def _name(queue: str | bytes) -> bytes:
