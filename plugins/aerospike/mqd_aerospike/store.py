@@ -8,13 +8,13 @@ event loop. One cycle serves every operation pending for one queue shard:
    raises the fencing counter, and reads the state; entries the dequeues will
    probably want are read in the same batch call;
 2. the operations are applied to that state in memory (mqd_aerospike.shard);
-3. entries still needed are read (one batch call), new entries are written to
-   their buffer records (one batch call), each write refused by the record if
-   a newer lock holder's fencing token is already there;
-4. **commit**: the new state is written and the lock released in one operation
-   that the server refuses unless the lock is still ours. A refused commit
-   changed nothing (entries beyond the committed tail are invisible), so the
-   cycle is simply run again.
+3. entries still needed are read (one batch call);
+4. **commit**: the new state is written and the lock released in one
+   operation that the server refuses unless the lock is still ours, in the
+   same batch call as the new entries' writes, each refused by its buffer
+   record if a newer lock holder's fencing token is already there. A refused
+   commit changed nothing (entries beyond the committed tail are invisible),
+   so the cycle is simply run again.
 """
 
 from __future__ import annotations
