@@ -12,7 +12,6 @@ import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mqd import protocol
@@ -34,10 +33,10 @@ from mqd.backend import (
 from mqd.errors import StorageError
 from mqd.protocol import name_bytes, name_text
 from mqd_aerospike.config import AerospikeConfig
+from mqd_aerospike.lanes import Lanes
 from mqd_aerospike.ops import (
     DeleteOp,
     FinishMoveOp,
-    HoleOp,
     LeaseOp,
     Moved,
     Op,
@@ -55,16 +54,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 INSTALL_HINT = "the aerospike backend needs the aerospike client: pip install 'aerospike>=19,<20'"
-BACKOFF_FIRST = 0.0005
-BACKOFF_MAX = 0.05
-
-
-@dataclass
-class _Lane:
-    """The operations queued for one shard, and whether a task is serving them."""
-
-    pending: list[Op] = field(default_factory=list)
-    running: bool = False
 
 
 class AerospikeBackend(Backend):
@@ -80,15 +69,14 @@ class AerospikeBackend(Backend):
         )
         self._store: Any = None
         self._pool: ThreadPoolExecutor | None = None
-        self._lanes: dict[tuple[str, int], _Lane] = {}
         self._shards: dict[str, int] = {}  # queue -> shard count, as stored
+        self._lanes = Lanes(self._cycle, self.config.max_batch, self._shards.__setitem__)
         self._looking: dict[str, asyncio.Future[int | None]] = {}
         self._empty: dict[tuple[str, int], bool] = {}  # last seen: nothing waiting there
         self._turn = random.randrange(1 << 16)  # where this daemon's gets and sets start
         self._homes: dict[str, int] = {}  # the shard this daemon's sets go to now, by queue
         self._watched: dict[str, int] = {}
         self._seen: dict[str, tuple[int, ...]] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._poller: asyncio.Task[None] | None = None
 
     # -- life cycle ------------------------------------------------------------
@@ -108,8 +96,8 @@ class AerospikeBackend(Backend):
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._lanes.tasks:
+            await asyncio.gather(*self._lanes.tasks, return_exceptions=True)
         if self._store is not None:
             await self._blocking(self._store.close)
             self._store = None
@@ -127,64 +115,8 @@ class AerospikeBackend(Backend):
             raise StorageError("aerospike backend is not open")
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    # -- the lanes -------------------------------------------------------------
-
-    def _submit(self, queue: str, shard: int, op: Op, shards: int = 1) -> asyncio.Future[Any]:
-        loop = asyncio.get_running_loop()
-        op.future = loop.create_future()
-        lane = self._lanes.get((queue, shard))
-        if lane is None:
-            lane = self._lanes[(queue, shard)] = _Lane()
-        lane.pending.append(op)
-        if not lane.running:
-            lane.running = True
-            task = loop.create_task(self._serve(queue, shard, lane, shards))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        return op.future
-
-    async def _serve(self, queue: str, shard: int, lane: _Lane, shards: int) -> None:
-        name = name_bytes(queue)
-        backoff = BACKOFF_FIRST
-        try:
-            while lane.pending:
-                batch = lane.pending[: self.config.max_batch]
-                del lane.pending[: len(batch)]
-                try:
-                    outcome = await self._blocking(self._store.cycle, name, shard, shards, batch)
-                except Exception as error:
-                    failure = error if isinstance(error, StorageError) else _wrap(error)
-                    for o in batch:
-                        if not o.future.done():
-                            o.future.set_exception(failure)
-                    continue
-                if outcome == "done":
-                    backoff = BACKOFF_FIRST
-                    holes = []
-                    for o in batch:
-                        if o.shards:
-                            self._shards[queue] = o.shards
-                        if isinstance(o, PutOp) and o.hole is not None:
-                            holes.append(o.hole)
-                        if o.future.done():
-                            continue
-                        if o.error is not None:
-                            o.future.set_exception(o.error)
-                        else:
-                            o.future.set_result(o.result)
-                    if holes:
-                        self._submit(queue, shard, HoleOp(holes=holes), shards).add_done_callback(
-                            _log_failure
-                        )
-                    continue
-                lane.pending[0:0] = batch
-                if outcome == "busy":
-                    await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
-                    backoff = min(backoff * 2, BACKOFF_MAX)
-        finally:
-            lane.running = False
-            if not lane.pending:
-                self._lanes.pop((queue, shard), None)
+    async def _cycle(self, name: bytes, shard: int, shards: int, batch: list[Op]) -> str:
+        return str(await self._blocking(self._store.cycle, name, shard, shards, batch))
 
     async def _shard_count(self, queue: str) -> int | None:
         """How many shards the queue has; None when it does not exist."""
@@ -255,7 +187,7 @@ class AerospikeBackend(Backend):
             if left <= 0:
                 break
             op = RedriveOp(to=to or "", limit=left)
-            moved: list[Moved] = await self._submit(dead, shard, op, shards)
+            moved: list[Moved] = await self._lanes.submit(dead, shard, op, shards)
             await asyncio.gather(*(self._finish_move(dead, m) for m in moved))
             for m in moved:
                 counts[m.to] = counts.get(m.to, 0) + 1
@@ -267,7 +199,8 @@ class AerospikeBackend(Backend):
             return False
         cutoff = int(before * 1000)
         results = [
-            await self._submit(queue, s, DeleteOp(before=cutoff), shards) for s in range(shards)
+            await self._lanes.submit(queue, s, DeleteOp(before=cutoff), shards)
+            for s in range(shards)
         ]
         if all(results):
             self._forget(queue, shards)
@@ -290,7 +223,7 @@ class AerospikeBackend(Backend):
         else:
             shard = self._put_shard(queue, shards)
         op = PutOp(message=message, limits=limits, tag=tag, fanout=fanout)
-        await self._submit(queue, shard, op, shards)
+        await self._lanes.submit(queue, shard, op, shards)
         if op.result is Put.STORED:
             self._empty.pop((queue, shard), None)
         return op
@@ -299,10 +232,8 @@ class AerospikeBackend(Backend):
         """The shard a set goes to: one whose cycle is under way, so that it
         joins the next batch there, or else the next in this daemon's turn."""
         home = self._homes.get(queue)
-        if home is not None:
-            lane = self._lanes.get((queue, home))
-            if lane is not None and lane.running:
-                return home
+        if home is not None and self._lanes.busy(queue, home):
+            return home
         self._turn += 1
         self._homes[queue] = home = self._turn % shards
         return home
@@ -323,7 +254,7 @@ class AerospikeBackend(Backend):
             if shards > 1 and self._empty.get((queue, shard)):
                 continue
             tried.add(shard)
-            found = await self._submit(queue, shard, kind(**fields), shards)
+            found = await self._lanes.submit(queue, shard, kind(**fields), shards)
             if found is not None:
                 return found  # type: ignore[no-any-return]
             self._empty[(queue, shard)] = True
@@ -335,7 +266,7 @@ class AerospikeBackend(Backend):
             waiting = states[shard][1]
             self._empty[(queue, shard)] = not waiting
             if waiting:
-                found = await self._submit(queue, shard, kind(**fields), shards)
+                found = await self._lanes.submit(queue, shard, kind(**fields), shards)
                 if found is not None:
                     return found  # type: ignore[no-any-return]
         return None
@@ -346,7 +277,7 @@ class AerospikeBackend(Backend):
             return False
         shard, offset = receipt.offset % shards, receipt.offset // shards
         op = LeaseOp(receipt=receipt, offset=offset, **fields)
-        return await self._submit(receipt.queue, shard, op, shards)
+        return await self._lanes.submit(receipt.queue, shard, op, shards)
 
     async def ack(self, receipt: Receipt, *, sync: Sync) -> bool:
         return bool(await self._lease(receipt, kind="ack"))
@@ -378,14 +309,14 @@ class AerospikeBackend(Backend):
         await self._put(moved.to, copy, NO_LIMITS, moved.tag)
         shards = self._shards.get(queue) or 1
         op = FinishMoveOp(offset=moved.offset)
-        return bool(await self._submit(queue, moved.shard, op, shards))
+        return bool(await self._lanes.submit(queue, moved.shard, op, shards))
 
     async def remove(self, queue: str, offset: int, *, sync: Sync) -> bool:
         shards = await self._shard_count(queue)
         if shards is None or offset < 0:
             return False
         op = RemoveOp(offset=offset // shards)
-        return bool(await self._submit(queue, offset % shards, op, shards))
+        return bool(await self._lanes.submit(queue, offset % shards, op, shards))
 
     async def peek(self, queue: str) -> Message | None:
         shards = await self._shard_count(queue)
@@ -439,7 +370,7 @@ class AerospikeBackend(Backend):
             if not decisions:
                 continue
             op = ReclaimOp(decisions=decisions)
-            done: list[Moved] = await self._submit(queue, meta.shard, op, meta.shards)
+            done: list[Moved] = await self._lanes.submit(queue, meta.shard, op, meta.shards)
             returned = [m for m in done if m.returned]
             moving = [m for m in done if not m.returned]
             if returned:
@@ -484,7 +415,7 @@ class AerospikeBackend(Backend):
         if shards is None:
             return False
         results = await asyncio.gather(
-            *(self._submit(queue, s, DeleteOp(), shards) for s in range(shards))
+            *(self._lanes.submit(queue, s, DeleteOp(), shards) for s in range(shards))
         )
         self._forget(queue, shards)
         if "+" in queue:
@@ -574,13 +505,3 @@ class AerospikeBackend(Backend):
                             self._empty.pop((queue, shard), None)
                     self._wake(queue)
                 self._seen[queue] = generations
-
-
-def _log_failure(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.warning("could not correct a queue's counters: %s", future.exception())
-
-
-def _wrap(error: Exception) -> StorageError:
-    log.error("aerospike backend failed", exc_info=error)
-    return StorageError(f"aerospike backend failed: {type(error).__name__}")
