@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from collections import Counter
@@ -27,6 +26,8 @@ from typing import Any
 
 import aerospike
 from mqd_aerospike.server import Node
+from pymemcache.client.base import Client
+from pymemcache.exceptions import MemcacheServerError, MemcacheUnexpectedCloseError
 
 from mqd.testing.daemon import Daemon
 
@@ -37,42 +38,8 @@ LEASE_MS = 300
 VISIBILITY = 3.0
 
 
-class Gone(Exception):
-    """The daemon is dead or frozen."""
-
-
-class Client:
-    def __init__(self, daemon: Daemon) -> None:
-        self.sock = socket.create_connection(daemon.address, timeout=3)
-        self.buf = b""
-
-    def line(self) -> bytes:
-        while b"\r\n" not in self.buf:
-            try:
-                chunk = self.sock.recv(65536)
-            except OSError as exc:
-                raise Gone(str(exc)) from exc
-            if not chunk:
-                raise Gone("closed")
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\r\n", 1)
-        return line
-
-    def call(self, data: bytes) -> bytes:
-        try:
-            self.sock.sendall(data)
-        except OSError as exc:
-            raise Gone(str(exc)) from exc
-        return self.line()
-
-    def get(self, key: str) -> bytes | None:
-        head = self.call(b"get %b\r\n" % key.encode())
-        if head == b"END":
-            return None
-        assert head.startswith(b"VALUE "), head
-        body = self.line()
-        assert self.line() == b"END"
-        return body
+def connect(daemon: Daemon) -> Client:
+    return Client(daemon.address, connect_timeout=3, timeout=3)
 
 
 class Books:
@@ -109,21 +76,20 @@ def produce(daemons: list[Daemon], index: int, books: Books, stop: threading.Eve
     while not stop.is_set():
         try:
             if client is None:
-                client = Client(daemons[target % len(daemons)])
+                client = connect(daemons[target % len(daemons)])
             message = b"p%d-%d" % (index, n)
             n += 1
             with books.lock:
                 books.sent.add(message)
-            reply = client.call(
-                b"set %b 0 0 %d\r\n%b\r\n" % (QUEUE.encode(), len(message), message)
-            )
-            if reply == b"STORED":
+            if client.set(QUEUE, message, noreply=False):
                 with books.lock:
                     books.stored.add(message)
-            elif not reply.startswith(b"SERVER_ERROR"):
-                books.errors.append(f"set answered {reply!r}")
+            else:
+                books.errors.append(f"set of {message!r} not stored")
             time.sleep(0.002)
-        except (Gone, OSError):
+        except MemcacheServerError:
+            continue  # SERVER_ERROR: maybe stored, maybe not; never counted as STORED
+        except (MemcacheUnexpectedCloseError, OSError):
             client = None
             target += 1  # that daemon is dead or frozen: go to another
             time.sleep(0.05)
@@ -135,7 +101,7 @@ def consume(daemon: Daemon, books: Books, stop: threading.Event) -> None:
         held = None
         try:
             if client is None:
-                client = Client(daemon)
+                client = connect(daemon)
             held = client.get(f"{QUEUE}/t=200/open")
             if held is None:
                 continue
@@ -145,7 +111,7 @@ def consume(daemon: Daemon, books: Books, stop: threading.Event) -> None:
             assert client.get(f"{QUEUE}/close") is None
             with books.lock:
                 books.closed[held] += 1
-        except (Gone, OSError):
+        except (MemcacheUnexpectedCloseError, MemcacheServerError, OSError):
             if held is not None:
                 with books.lock:
                     books.abandoned.add(held)
