@@ -47,7 +47,7 @@ from mqd_aerospike.ops import (
     ReserveOp,
     TakeOp,
 )
-from mqd_aerospike.shard import Meta, message_of
+from mqd_aerospike.shard import Memo, Meta, message_of
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +69,12 @@ class AerospikeBackend(Backend):
         )
         self._store: Any = None
         self._pool: ThreadPoolExecutor | None = None
-        self._shards: dict[str, int] = {}  # queue -> shard count, as stored
+        self._shards: Memo[str, int] = Memo()  # queue -> shard count, as stored
         self._lanes = Lanes(self._cycle, self.config.max_batch, self._shards.__setitem__)
         self._looking: dict[str, asyncio.Future[int | None]] = {}
-        self._empty: dict[tuple[str, int], bool] = {}  # last seen: nothing waiting there
+        self._empty: Memo[tuple[str, int], bool] = Memo()  # last seen: nothing waiting there
         self._turn = random.randrange(1 << 16)  # where this daemon's gets and sets start
-        self._homes: dict[str, int] = {}  # the shard this daemon's sets go to now, by queue
+        self._homes: Memo[str, int] = Memo()  # the shard this daemon's sets go to now, by queue
         self._watched: dict[str, int] = {}
         self._seen: dict[str, tuple[int, ...]] = {}
         self._poller: asyncio.Task[None] | None = None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from mqd.backend import Limits, Message, Put, Receipt
 
@@ -31,6 +31,23 @@ MAP_BINS = ("ret", "gone", "open", "mv", "tags")
 #: another daemon is recognised and not stored twice.
 TAG_KEEP_MS = 3_600_000
 TAG_KEEP_MAX = 20_000
+
+
+#: Queues a daemon remembers hints about (shard counts, positions) at most.
+MEMO_MAX = 65536
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Memo(dict[K, V]):
+    """What this daemon remembers about queues, all forgotten when it holds MEMO_MAX:
+    queue names are client-chosen, and everything here can be read again."""
+
+    def __setitem__(self, key: K, value: V) -> None:
+        if len(self) >= MEMO_MAX and key not in self:
+            self.clear()
+        super().__setitem__(key, value)
 
 
 @dataclass

@@ -52,7 +52,7 @@ from mqd_aerospike.ops import (
     PutOp,
     ReclaimOp,
 )
-from mqd_aerospike.shard import MAP_BINS, STATE_BINS, Meta
+from mqd_aerospike.shard import MAP_BINS, STATE_BINS, Memo, Meta
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Store(Connection):
         self._held: dict[tuple[bytes, int], str] = {}
         #: The state each shard was left in by this daemon's last cycle, to
         #: guess which entries the next dequeues will read.
-        self._hints: dict[tuple[bytes, int], tuple[int, int, tuple[int, ...], int, int]] = {}
+        self._hints: Memo[tuple[bytes, int], tuple[int, int, tuple[int, ...], int, int]] = Memo()
 
     # -- the cycle -----------------------------------------------------------
 
