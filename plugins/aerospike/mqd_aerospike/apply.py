@@ -11,11 +11,10 @@ from aerospike_helpers.batch.records import Write
 from aerospike_helpers.operations import map_operations as mo
 from aerospike_helpers.operations import operations as op
 
-from mqd import protocol
 from mqd.backend import Message, Put, Receipt
 from mqd.errors import StorageError
 from mqd.protocol import name_bytes, name_text
-from mqd_aerospike.connection import KEY_ORDERED, fence_ok
+from mqd_aerospike.connection import KEY_ORDERED, fence_ok, reason
 from mqd_aerospike.ops import (
     DeleteOp,
     FinishMoveOp,
@@ -268,13 +267,17 @@ class Apply:
             for index, slots in by_record.items()
         ]
 
-    def lost(self, key: Any, code: int) -> None:
-        """The entries of one buffer record were not written though the commit was made."""
+    def lost(self, key: Any, code: int, in_doubt: bool) -> None:
+        """The entries of one buffer record were not written though the commit was made.
+
+        Their sets get SERVER_ERROR. A write known to have failed leaves holes
+        the counters forget; one in doubt (no answer) may have landed, and is
+        left for readers to find or pass over.
+        """
         index = self.keys[bytes(key[2])]
         per = self.meta.per
-        for o in self.puts:
-            offset = self.puts[o]
+        for o, offset in self.puts.items():
             if offset // per == index:
-                reason = protocol.TOO_LARGE if code == 13 else f"aerospike: write failed ({code})"
-                o.error = StorageError(reason)
-                o.hole = (offset, len(self.writes[offset][0]))
+                o.error = StorageError(reason(code, "entry write"))
+                if not in_doubt:
+                    o.hole = (offset, len(self.writes[offset][0]))

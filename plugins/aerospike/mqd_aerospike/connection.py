@@ -165,8 +165,6 @@ class Connection:
             return fn(*args, **kwargs)
         except (ae.RecordNotFound, ae.FilteredOut, ae.RecordExistsError):
             raise
-        except ae.RecordTooBig as error:
-            raise StorageError(protocol.TOO_LARGE) from error
         except ae.AerospikeError as error:
             raise StorageError(_reason(error)) from error
 
@@ -346,13 +344,24 @@ def slots_of(found: Any) -> dict[int, list[Any]]:
     return {int(found[i]): found[i + 1] for i in range(0, len(found), 2)}
 
 
-def _reason(error: ae.AerospikeError) -> str:
-    """A one-line reason for SERVER_ERROR: what failed, never a traceback."""
-    if isinstance(error, ae.TimeoutError):
+#: Result codes that say the cluster, not the request, is the trouble.
+UNREACHABLE = (-15, -11, -10, -1, 11)
+
+
+def reason(code: int, text: str = "") -> str:
+    """A one-line reason for SERVER_ERROR from a result code: what failed, never a traceback."""
+    if code == 9:
         return "aerospike timeout"
-    if isinstance(error, ae.ClusterError) or getattr(error, "code", 0) in (-10, -1, 11):
+    if code in UNREACHABLE:
         return "aerospike cluster unavailable"
-    message = str(getattr(error, "msg", "") or type(error).__name__)
-    return f"aerospike error {getattr(error, 'code', '?')}: {message}".replace("\r", " ").replace(
-        "\n", " "
-    )
+    if code == 13:
+        return protocol.TOO_LARGE
+    line = " ".join(text.split()) or "failed"
+    return f"aerospike error {code}: {line}"
+
+
+def _reason(error: ae.AerospikeError) -> str:
+    if isinstance(error, ae.ClusterError):
+        return reason(11)
+    code = getattr(error, "code", None)
+    return reason(code if isinstance(code, int) else -1, str(getattr(error, "msg", "") or ""))

@@ -44,6 +44,7 @@ from mqd_aerospike.connection import (
     Connection,
     get_slots,
     has_work,
+    reason,
     slots_of,
 )
 from mqd_aerospike.ops import (
@@ -117,7 +118,7 @@ class Store(Connection):
                 if first.result == NOT_FOUND:
                     raise ae.RecordNotFound()
                 if first.result != 0:
-                    raise StorageError(f"aerospike: lock failed with code {first.result}")
+                    raise StorageError(reason(first.result, "lock"))
                 bins = first.record[2]
                 if fanning:
                     family = results[1]
@@ -268,10 +269,10 @@ class Store(Connection):
         if commit.result == FILTERED_OUT:
             raise ae.FilteredOut()
         if commit.result != 0:
-            raise StorageError(f"aerospike: commit failed with code {commit.result}")
+            raise StorageError(reason(commit.result, "commit"))
         for write, record in zip(writes, entries, strict=True):
             if record.result != 0:
-                run.lost(write.key, record.result)
+                run.lost(write.key, record.result, record.in_doubt)
         return True
 
     def _ensure_first_shard(self, meta: Meta) -> None:
