@@ -165,9 +165,8 @@ class Store(Connection):
         try:
             if deleting:
                 self._delete(meta_key, nonce, meta, old_head)
-            elif not self._commit(meta_key, nonce, {**meta.bins(now_ms), "lo": ""}, writes, run):
-                self._held.pop(where, None)
-                return RETRY
+            else:
+                self._commit(meta_key, nonce, {**meta.bins(now_ms), "lo": ""}, writes, run)
         except ae.FilteredOut:
             self.refused += 1
             log.warning("queue %r shard %d: commit refused, lock was broken", name, shard)
@@ -242,13 +241,13 @@ class Store(Connection):
         bins: dict[str, Any],
         writes: list[Write] | None = None,
         run: Apply | None = None,
-    ) -> bool:
+    ) -> None:
         """Write the state and free the lock, refused unless the lock is still ours.
 
         The cycle's new entries go in the same batch call. The server applies
         a batch's records independently, so each outcome is looked at:
         - commit refused: the lock was broken; nothing this cycle wrote is
-          visible (entries past the committed tail are never read): False.
+          visible (entries past the committed tail are never read): FilteredOut.
         - commit made, an entry's record refused the write (fenced off by a
           newer lock holder: the lease ran out while the call was on its way)
           or failed: that set gets SERVER_ERROR, never STORED, and its offset
@@ -258,7 +257,7 @@ class Store(Connection):
         ops = [op.write(name, value) for name, value in bins.items()]
         if not writes or run is None:
             self.call(self.client.operate, key, ops, policy=policy)
-            return True
+            return
         batch = [Write(key, ops, policy=policy), *writes]
         done = self.call(self.client.batch_write, BatchRecords(batch)).batch_records
         commit, entries = done[0], done[1:]
@@ -273,7 +272,6 @@ class Store(Connection):
         for write, record in zip(writes, entries, strict=True):
             if record.result != 0:
                 run.lost(write.key, record.result, record.in_doubt)
-        return True
 
     def _ensure_first_shard(self, meta: Meta) -> None:
         """A queue is listed by its shard 0: make it exist when another shard is created."""
