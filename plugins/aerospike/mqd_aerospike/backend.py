@@ -98,12 +98,16 @@ class AerospikeBackend(Backend):
             await asyncio.gather(self._poller, return_exceptions=True)
         if self._lanes.tasks:
             await asyncio.gather(*self._lanes.tasks, return_exceptions=True)
-        if self._store is not None:
-            await self._blocking(self._store.close)
+        pool, store = self._pool, self._store
+        self._pool = None  # no call starts from here on
+        loop = asyncio.get_running_loop()
+        if pool is not None:
+            # A call whose caller was cancelled still runs in its thread: the
+            # client must outlive it (closing it under a running call crashes).
+            await loop.run_in_executor(None, pool.shutdown, True)
+        if store is not None:
+            await loop.run_in_executor(None, store.close)
             self._store = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
     @property
     def calls(self) -> int:
