@@ -65,3 +65,28 @@ def test_options_come_from_the_storage_table() -> None:
     backend = AerospikeBackend(options)
     assert backend.config.hosts == (("127.0.0.1", 1),)
     assert (backend.config.shards, backend.config.poll_interval_ms) == (3, 7)
+
+
+def test_every_key_is_documented_in_the_example_config() -> None:
+    example = Path(__file__).resolve().parents[3] / "etc" / "mqd.toml"
+    text = example.read_text()
+    block = text[text.index("# [storage.aerospike]") :].split("\n\n")[0]
+    documented = {
+        line[2:].split("=")[0].strip()
+        for line in block.splitlines()
+        if line.startswith("# ") and "=" in line and not line.startswith("# [")
+    }
+    own = set(AerospikeConfig.__dataclass_fields__) - {"poll_interval_ms"}
+    assert documented == own
+
+
+def test_what_a_daemon_remembers_per_queue_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mqd_aerospike import shard
+
+    monkeypatch.setattr(shard, "MEMO_MAX", 3)
+    memo: shard.Memo[str, int] = shard.Memo()
+    for i in range(10):
+        memo[f"q{i}"] = i
+        assert len(memo) <= 3
+    memo["q9"] = 0  # a key it holds is replaced, not a reason to forget
+    assert memo["q9"] == 0
