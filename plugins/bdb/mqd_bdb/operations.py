@@ -87,9 +87,11 @@ class Operations(Store):
         q.changed = self.now
         if q.indexed:
             self._count_body(txn, q, body, 1)
-        if self.keyed_by_body:  # an offset-keyed append never sorts before the hint
+        if self.keyed_by_body:
             self._rewind(q, key, offset)
-        q.head_added(key, message.created)
+            q.head_added(key, message.created)
+        elif q.items == 1:  # an offset-keyed append sorts after the head and the hint
+            q.head_key, q.head_created, q.head_dirty = key, message.created, False
         return True
 
     def _records(self, txn: Any, q: QueueState) -> Iterator[tuple[bytes, bytes]]:
