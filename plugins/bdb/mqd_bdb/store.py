@@ -3,9 +3,10 @@
 Everything here runs on the environment's worker thread (mqd_bdb.worker). The
 worker hands a store a batch of jobs; the store runs them in one transaction
 and, should anything in it fail, aborts and runs them again one transaction
-each, so one bad job fails alone. mqd_bdb.leases and mqd_bdb.operations run
-the jobs in terms of the few calls a layout (mqd_bdb.fifo and the modules
-that use it, mqd_bdb.random_set) supplies, declared at the end of Store.
+each, so one bad job fails alone. mqd_bdb.operations, mqd_bdb.leases and
+mqd_bdb.queue_ops run the jobs in terms of the few calls a layout
+(mqd_bdb.fifo and the modules that use it, mqd_bdb.random_set) supplies,
+declared at the end of Store.
 """
 
 from __future__ import annotations
