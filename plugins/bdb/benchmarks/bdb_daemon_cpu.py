@@ -6,8 +6,10 @@ operation moves far less, so this is the figure to compare two versions of the
 code by. For each backend, in rounds: start mqd (`sync = "none"`, so the disk
 does not pace it), run a fixed number of `set`s, then as many `get`s, with the
 load generator of benchmarks/, and read the daemon's CPU time (all threads,
-from /proc/<pid>/stat) around each. Prints the median per operation, and the
-rates for reference.
+from /proc/<pid>/stat) around each. Where `perf` is installed (Debian:
+linux-perf) it also counts the instructions the daemon ran, which hardly move
+at all with other work on the machine. Prints the medians per operation, and
+the rates for reference.
 
 To compare two checkouts, run each one's copy of mqd back to back:
 
@@ -19,7 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -39,8 +44,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def one_round(backend: str, args: argparse.Namespace) -> tuple[float, float, float, float]:
-    """(set CPU us/op, get CPU us/op, set ops/s, get ops/s) of a fresh daemon."""
+PERF = shutil.which("perf")
+
+#: One phase's figures: CPU us/op, instructions/op (0 without perf), ops/s.
+Figures = tuple[float, float, float]
+
+
+def one_round(backend: str, args: argparse.Namespace) -> tuple[Figures, Figures]:
+    """The set phase's figures and the get phase's, of a fresh daemon."""
     with mqd(backend, exe=args.mqd, config=CONFIG, name=f"mqd-{backend}") as srv:
         base = LoadSpec(
             host=HOST,
@@ -52,18 +63,36 @@ def one_round(backend: str, args: argparse.Namespace) -> tuple[float, float, flo
             unique=True,
         )
         checked_load(srv, replace(base, workload="queue", ops=2000, queue="warm"))
-        figures = []
-        for workload in ("set", "get"):
-            figures.append(_measured(srv, replace(base, workload=workload, ops=args.ops)))
-    (set_us, set_rate), (get_us, get_rate) = figures
-    return set_us, get_us, set_rate, get_rate
+        sets = _measured(srv, replace(base, workload="set", ops=args.ops))
+        gets = _measured(srv, replace(base, workload="get", ops=args.ops))
+    return sets, gets
 
 
-def _measured(srv: Server, spec: LoadSpec) -> tuple[float, float]:
+def _measured(srv: Server, spec: LoadSpec) -> Figures:
+    counter = None
+    if PERF is not None:
+        argv = [PERF, "stat", "-x", ",", "-e", "instructions:u", "-p", str(srv.pid)]
+        counter = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
     before = cpu_seconds(srv.pid)
-    result = checked_load(srv, spec)
-    used = cpu_seconds(srv.pid) - before
-    return used / result.ops * 1e6, result.ops_per_s
+    try:
+        result = checked_load(srv, spec)
+    finally:
+        used = cpu_seconds(srv.pid) - before
+        instructions = _stop(counter)
+    return used / result.ops * 1e6, instructions / result.ops, result.ops_per_s
+
+
+def _stop(counter: subprocess.Popen[str] | None) -> float:
+    """End `perf stat`; the instructions it counted (0 if it counted none)."""
+    if counter is None:
+        return 0.0
+    counter.send_signal(signal.SIGINT)
+    _, err = counter.communicate(timeout=30)
+    for line in err.splitlines():
+        fields = line.split(",")
+        if len(fields) > 2 and fields[2].startswith("instructions") and fields[0].isdigit():
+            return float(fields[0])
+    return 0.0
 
 
 def main() -> None:
@@ -78,14 +107,21 @@ def main() -> None:
     rows = []
     for backend in args.backend or BACKENDS:
         runs = [one_round(backend, args) for _ in range(args.rounds)]
-        set_us, get_us, set_rate, get_rate = (statistics.median(x) for x in zip(*runs, strict=True))
-        rows.append(
-            [backend, f"{set_us:.1f}", f"{get_us:.1f}", fmt_rate(set_rate), fmt_rate(get_rate)]
-        )
+        row = [backend]
+        for phase in (0, 1):
+            cpu, instructions, rate = (
+                statistics.median(x) for x in zip(*(run[phase] for run in runs), strict=True)
+            )
+            row += [f"{cpu:.1f}", f"{instructions:,.0f}" if instructions else "-", fmt_rate(rate)]
+        rows.append(row)
     print_table(
-        f"daemon CPU per operation, median of {args.rounds} round(s) of {args.ops} sets then "
+        f"daemon per operation, median of {args.rounds} round(s) of {args.ops} sets then "
         f"{args.ops} gets, {args.connections} connections, sync = none",
-        ["backend", "set us cpu/op", "get us cpu/op", "set ops/s", "get ops/s"],
+        [
+            "backend",
+            *("set us cpu", "set instructions", "set ops/s"),
+            *("get us cpu", "get instructions", "get ops/s"),
+        ],
         rows,
     )
 

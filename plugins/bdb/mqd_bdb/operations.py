@@ -11,7 +11,7 @@ from typing import Any
 
 from berkeleydb import db
 
-from mqd.backend import Lease, Limits, Message, Put, Receipt
+from mqd.backend import NO_LIMITS, Lease, Limits, Message, Put, Receipt
 from mqd_bdb.catalog import QueueState
 from mqd_bdb.records import (
     CAT_RESERVED,
@@ -26,12 +26,28 @@ from mqd_bdb.records import (
 )
 from mqd_bdb.store import Store
 
+#: The limits of the fanout children the event loop knew of, by child name.
+ChildLimits = dict[str, Limits]
+
 
 class Operations(Store):
-    """put (without fanout), take, reserve, remove, peek, contains, discard, restore."""
+    """put, take, reserve, remove, peek, contains, discard, restore."""
 
-    def _put(self, txn: Any, name: str, message: Message, unique: bool, limits: Limits) -> Put:
-        q = self._find(name) or self._create(name)
+    def put(
+        self, txn: Any, name: str, arg: tuple[Message, bool, Limits, ChildLimits | None]
+    ) -> Put:
+        """Store `message`; then, with `children` (fanout), a copy in each child.
+
+        A fanout child is the queue `<name>+<child>`; it gets its copy in the
+        same transaction, under its own limits (given by the event loop,
+        which knows the daemon's settings), refusing or dropping for itself.
+        """
+        message, unique, limits, children = arg
+        q = self.queues.get(name)
+        if q is None:
+            q = self._create(name)
+        elif q.mdb is None:
+            self._attach(q)
         bounded = limits.max_items or limits.max_bytes
         if bounded:
             size = len(message.body)
@@ -45,7 +61,15 @@ class Operations(Store):
             return Put.DUPLICATE
         if bounded and not self._make_room(txn, q, limits, size):
             return Put.FULL
-        return Put.STORED if self._append(txn, q, message) else Put.DUPLICATE
+        if not self._append(txn, q, message):
+            return Put.DUPLICATE
+        if children is not None and name in self.children:
+            for child in self.children[name]:
+                # A child made in this very batch is not known to the loop
+                # yet: no limits for it.
+                copy = Message(message.body, message.flags, message.expires, message.created)
+                self.put(txn, child, (copy, False, children.get(child, NO_LIMITS), None))
+        return Put.STORED
 
     def _make_room(self, txn: Any, q: QueueState, limits: Limits, size: int) -> bool:
         """Whether `size` more bytes fit, after dropping the oldest waiting if allowed."""
@@ -111,7 +135,8 @@ class Operations(Store):
         q.mdb.delete(key, txn)
         q.items -= 1
         q.bytes -= len(body)
-        q.head_removed(key)
+        if q.head_key is None or key == q.head_key:
+            q.head_dirty = True  # looked up at the end of the batch
         if q.indexed:
             self._count_body(txn, q, body, -1)
 
@@ -140,8 +165,12 @@ class Operations(Store):
         return message
 
     def take(self, txn: Any, name: str, arg: None) -> Message | None:
-        q = self._find(name)
-        return None if q is None else self._pop(txn, q, None)
+        q = self.queues.get(name)
+        if q is None or q.items == q.open:
+            return None
+        if q.mdb is None:
+            self._attach(q)
+        return self._pop(txn, q, None)
 
     def reserve(self, txn: Any, name: str, arg: tuple[str, float]) -> Message | None:
         q = self._find(name)
