@@ -19,6 +19,7 @@ from mqd_bdb.records import (
     U64,
     WAITING,
     body_of,
+    digest,
     lease_record,
     message_record,
     read_message,
@@ -96,7 +97,7 @@ class Operations(Store):
         offset = q.next_offset
         message.offset = offset
         body = message.body
-        key = self._key(q, offset, body)
+        key = q.mpre + (digest(body) if self.keyed_by_body else U64.pack(offset))
         value = message_record(WAITING, message)
         if self.keyed_by_body:
             try:
@@ -133,6 +134,10 @@ class Operations(Store):
     def _delete_record(self, txn: Any, q: QueueState, key: bytes, body: bytes) -> None:
         """Remove the message record at `key` (the caller touched `q`)."""
         q.mdb.delete(key, txn)
+        self._deleted(txn, q, key, body)
+
+    def _deleted(self, txn: Any, q: QueueState, key: bytes, body: bytes) -> None:
+        """The message record at `key` was removed: count it out."""
         q.items -= 1
         q.bytes -= len(body)
         if q.head_key is None or key == q.head_key:
@@ -144,7 +149,7 @@ class Operations(Store):
         """Hand out the next waiting message: removed, or opened under `lease`."""
         if q.items == q.open:
             return None
-        rec = self._first_waiting(txn, q)
+        rec = self._first_waiting(txn, q) if lease else self._take_first(txn, q)
         if rec is None:
             return None
         key, value = rec
@@ -153,7 +158,7 @@ class Operations(Store):
         if q.name not in self._touched:
             self._touch(q)
         if lease is None:
-            self._delete_record(txn, q, key, message.body)
+            self._deleted(txn, q, key, message.body)
         else:
             offset = message.offset
             q.mdb.put(key, remarked(value, RESERVED, message.deliveries), txn)
@@ -161,7 +166,11 @@ class Operations(Store):
             self.cat.put(lease_key, lease_record(lease, key[len(q.mpre) :]), txn)
             q.open += 1
             message.receipt = Receipt(q.name, q.qid, offset, lease.token)
-        self._advance(q, key, message.offset)
+        # The next search starts after it: no waiting message sorts before.
+        if self.keyed_by_body:
+            q.hint_key = key + b"\x00"  # the least key after this one
+        else:
+            q.hint = message.offset + 1
         return message
 
     def take(self, txn: Any, name: str, arg: None) -> Message | None:
@@ -209,7 +218,7 @@ class Operations(Store):
         if q is None:
             return False
         body = message.body
-        key = self._key(q, message.offset, body)
+        key = q.mpre + (digest(body) if self.keyed_by_body else U64.pack(message.offset))
         back = Message(
             body,
             message.flags,
