@@ -10,6 +10,7 @@ offsets match the messages exactly and offsets are never reused.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any
 
 from berkeleydb import db
@@ -114,7 +115,7 @@ class QueueState:
 
     def state(self) -> tuple[Any, ...]:
         """What a batch may change, to set back should its transaction abort."""
-        return tuple(getattr(self, field) for field in _CHANGING)
+        return _changing(self)
 
     def set_state(self, state: tuple[Any, ...]) -> None:
         for field, value in zip(_CHANGING, state, strict=True):
@@ -128,11 +129,6 @@ class QueueState:
             self.head_key = rec[0]
             self.head_created = CREATED.unpack_from(rec[1], REC_CREATED)[0]
         self.head_dirty = False
-
-    def head_removed(self, key: bytes) -> None:
-        """The record at `key` is gone: if it was the head, look the head up at the end."""
-        if self.head_key is None or key == self.head_key:
-            self.head_dirty = True
 
     def head_added(self, key: bytes, created: float) -> None:
         """A record was added at `key`: it is the head if it sorts first."""
@@ -158,6 +154,8 @@ _CHANGING = (
     "hint_key",
     "indexed",
 )
+
+_changing = operator.attrgetter(*_CHANGING)
 
 #: A queue before a batch first changed it, and whether it existed then.
 Snapshot = tuple[QueueState, bool, tuple[Any, ...]]

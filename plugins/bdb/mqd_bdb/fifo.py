@@ -19,9 +19,6 @@ from mqd_bdb.records import U64, WAITING, body_of, first_waiting, read_message
 class FifoStore(BodyIndex):
     """Messages in offset order; PerQueueStore and SingleStore say which files hold them."""
 
-    def _key(self, q: QueueState, offset: int, body: bytes) -> bytes:
-        return q.mpre + U64.pack(offset)
-
     def _first_waiting(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:
         # Nearly always the message at the hint is the head, waiting: read it
         # by key. Otherwise (open messages or gaps) step with a cursor.
@@ -42,9 +39,6 @@ class FifoStore(BodyIndex):
         key = q.mpre + U64.pack(offset)
         value = q.mdb.get(key, None, txn)
         return (key, value) if value is not None and value[0] == WAITING else None
-
-    def _advance(self, q: QueueState, key: bytes, offset: int) -> None:
-        q.hint = offset + 1
 
     def _rewind(self, q: QueueState, key: bytes, offset: int) -> None:
         if offset < q.hint:

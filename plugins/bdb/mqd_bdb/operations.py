@@ -11,7 +11,7 @@ from typing import Any
 
 from berkeleydb import db
 
-from mqd.backend import Lease, Limits, Message, Put, Receipt
+from mqd.backend import NO_LIMITS, Lease, Limits, Message, Put, Receipt
 from mqd_bdb.catalog import QueueState
 from mqd_bdb.records import (
     CAT_RESERVED,
@@ -19,6 +19,7 @@ from mqd_bdb.records import (
     U64,
     WAITING,
     body_of,
+    digest,
     lease_record,
     message_record,
     read_message,
@@ -26,12 +27,28 @@ from mqd_bdb.records import (
 )
 from mqd_bdb.store import Store
 
+#: The limits of the fanout children the event loop knew of, by child name.
+ChildLimits = dict[str, Limits]
+
 
 class Operations(Store):
-    """put (without fanout), take, reserve, remove, peek, contains, discard, restore."""
+    """put, take, reserve, remove, peek, contains, discard, restore."""
 
-    def _put(self, txn: Any, name: str, message: Message, unique: bool, limits: Limits) -> Put:
-        q = self._find(name) or self._create(name)
+    def put(
+        self, txn: Any, name: str, arg: tuple[Message, bool, Limits, ChildLimits | None]
+    ) -> Put:
+        """Store `message`; then, with `children` (fanout), a copy in each child.
+
+        A fanout child is the queue `<name>+<child>`; it gets its copy in the
+        same transaction, under its own limits (given by the event loop,
+        which knows the daemon's settings), refusing or dropping for itself.
+        """
+        message, unique, limits, children = arg
+        q = self.queues.get(name)
+        if q is None:
+            q = self._create(name)
+        elif q.mdb is None:
+            self._attach(q)
         bounded = limits.max_items or limits.max_bytes
         if bounded:
             size = len(message.body)
@@ -45,7 +62,15 @@ class Operations(Store):
             return Put.DUPLICATE
         if bounded and not self._make_room(txn, q, limits, size):
             return Put.FULL
-        return Put.STORED if self._append(txn, q, message) else Put.DUPLICATE
+        if not self._append(txn, q, message):
+            return Put.DUPLICATE
+        if children is not None and name in self.children:
+            for child in self.children[name]:
+                # A child made in this very batch is not known to the loop
+                # yet: no limits for it.
+                copy = Message(message.body, message.flags, message.expires, message.created)
+                self.put(txn, child, (copy, False, children.get(child, NO_LIMITS), None))
+        return Put.STORED
 
     def _make_room(self, txn: Any, q: QueueState, limits: Limits, size: int) -> bool:
         """Whether `size` more bytes fit, after dropping the oldest waiting if allowed."""
@@ -72,7 +97,7 @@ class Operations(Store):
         offset = q.next_offset
         message.offset = offset
         body = message.body
-        key = self._key(q, offset, body)
+        key = q.mpre + (digest(body) if self.keyed_by_body else U64.pack(offset))
         value = message_record(WAITING, message)
         if self.keyed_by_body:
             try:
@@ -87,9 +112,11 @@ class Operations(Store):
         q.changed = self.now
         if q.indexed:
             self._count_body(txn, q, body, 1)
-        if self.keyed_by_body:  # an offset-keyed append never sorts before the hint
+        if self.keyed_by_body:
             self._rewind(q, key, offset)
-        q.head_added(key, message.created)
+            q.head_added(key, message.created)
+        elif q.items == 1:  # an offset-keyed append sorts after the head and the hint
+            q.head_key, q.head_created, q.head_dirty = key, message.created, False
         return True
 
     def _records(self, txn: Any, q: QueueState) -> Iterator[tuple[bytes, bytes]]:
@@ -107,9 +134,14 @@ class Operations(Store):
     def _delete_record(self, txn: Any, q: QueueState, key: bytes, body: bytes) -> None:
         """Remove the message record at `key` (the caller touched `q`)."""
         q.mdb.delete(key, txn)
+        self._deleted(txn, q, key, body)
+
+    def _deleted(self, txn: Any, q: QueueState, key: bytes, body: bytes) -> None:
+        """The message record at `key` was removed: count it out."""
         q.items -= 1
         q.bytes -= len(body)
-        q.head_removed(key)
+        if q.head_key is None or key == q.head_key:
+            q.head_dirty = True  # looked up at the end of the batch
         if q.indexed:
             self._count_body(txn, q, body, -1)
 
@@ -117,7 +149,7 @@ class Operations(Store):
         """Hand out the next waiting message: removed, or opened under `lease`."""
         if q.items == q.open:
             return None
-        rec = self._first_waiting(txn, q)
+        rec = self._first_waiting(txn, q) if lease else self._take_first(txn, q)
         if rec is None:
             return None
         key, value = rec
@@ -126,7 +158,7 @@ class Operations(Store):
         if q.name not in self._touched:
             self._touch(q)
         if lease is None:
-            self._delete_record(txn, q, key, message.body)
+            self._deleted(txn, q, key, message.body)
         else:
             offset = message.offset
             q.mdb.put(key, remarked(value, RESERVED, message.deliveries), txn)
@@ -134,12 +166,20 @@ class Operations(Store):
             self.cat.put(lease_key, lease_record(lease, key[len(q.mpre) :]), txn)
             q.open += 1
             message.receipt = Receipt(q.name, q.qid, offset, lease.token)
-        self._advance(q, key, message.offset)
+        # The next search starts after it: no waiting message sorts before.
+        if self.keyed_by_body:
+            q.hint_key = key + b"\x00"  # the least key after this one
+        else:
+            q.hint = message.offset + 1
         return message
 
     def take(self, txn: Any, name: str, arg: None) -> Message | None:
-        q = self._find(name)
-        return None if q is None else self._pop(txn, q, None)
+        q = self.queues.get(name)
+        if q is None or q.items == q.open:
+            return None
+        if q.mdb is None:
+            self._attach(q)
+        return self._pop(txn, q, None)
 
     def reserve(self, txn: Any, name: str, arg: tuple[str, float]) -> Message | None:
         q = self._find(name)
@@ -178,7 +218,7 @@ class Operations(Store):
         if q is None:
             return False
         body = message.body
-        key = self._key(q, message.offset, body)
+        key = q.mpre + (digest(body) if self.keyed_by_body else U64.pack(message.offset))
         back = Message(
             body,
             message.flags,

@@ -1,9 +1,7 @@
-"""Operations on whole queues: fanout copies, create, redrive, idle expiry, delete.
+"""Operations on whole queues: create, redrive, idle expiry, delete.
 
-A fanout child is the queue `<parent>+<child>`; a message stored in the
-parent is copied, in the same transaction, into every child that exists, each
-copy under the child's own limits (given by the event loop, which knows the
-daemon's settings). Children are found in the catalog's index by parent.
+Fanout children are made by create() and found in the catalog's index by
+parent (copies to them are made by put(), mqd_bdb.operations).
 """
 
 from __future__ import annotations
@@ -11,31 +9,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from mqd.backend import NO_LIMITS, Limits, Message, Put
 from mqd_bdb.catalog import QueueState
 from mqd_bdb.leases import Leases
 from mqd_bdb.records import WAITING, offset_of, read_message
 
-#: The limits of the children the event loop knew of, by child name.
-ChildLimits = dict[str, Limits]
-
 
 class QueueOps(Leases):
-    """put with fanout, create, redrive, expire_idle, delete (single-file layouts)."""
-
-    def put(
-        self, txn: Any, name: str, arg: tuple[Message, bool, Limits, ChildLimits | None]
-    ) -> Put:
-        message, unique, limits, children = arg
-        stored = self._put(txn, name, message, unique, limits)
-        if stored is Put.STORED and children is not None:
-            for child in self.children.get(name, ()):
-                # Each child its own copy, under its own limits: a full one
-                # refuses or drops for itself. A child made in this very
-                # batch is not known to the loop yet: no limits for it.
-                copy = Message(message.body, message.flags, message.expires, message.created)
-                self._put(txn, child, copy, False, children.get(child, NO_LIMITS))
-        return stored
+    """create, redrive, expire_idle, delete (single-file layouts)."""
 
     def create(self, txn: Any, name: str, arg: None) -> bool:
         if name in self.queues:

@@ -30,15 +30,22 @@ class RandomStore(QueueOps):
     def _purge_prefixes(self, qkey: bytes) -> list[bytes]:
         return [MSG + qkey, CAT_RESERVED + qkey]
 
-    def _key(self, q: QueueState, offset: int, body: bytes) -> bytes:
-        return q.mpre + digest(body)
-
     def _first_waiting(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:
         cur = self.cat.cursor(txn)
         try:
             return first_waiting(cur, q.hint_key, q.mpre)
         finally:
             cur.close()
+
+    def _take_first(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:
+        cur = self.cat.cursor(txn)
+        try:
+            rec = first_waiting(cur, q.hint_key, q.mpre)
+            if rec is not None:
+                cur.delete()  # where the cursor is: no second search
+        finally:
+            cur.close()
+        return rec
 
     def _oldest_waiting(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:
         # Not indexed by age: read through the queue (only a full queue with
@@ -61,9 +68,6 @@ class RandomStore(QueueOps):
             if rec[1][0] == WAITING and offset_of(rec[1]) == offset:
                 return rec
         return None
-
-    def _advance(self, q: QueueState, key: bytes, offset: int) -> None:
-        q.hint_key = key + b"\x00"  # the least key after this one
 
     def _rewind(self, q: QueueState, key: bytes, offset: int) -> None:
         if key < q.hint_key:

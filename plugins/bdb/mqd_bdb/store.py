@@ -3,9 +3,10 @@
 Everything here runs on the environment's worker thread (mqd_bdb.worker). The
 worker hands a store a batch of jobs; the store runs them in one transaction
 and, should anything in it fail, aborts and runs them again one transaction
-each, so one bad job fails alone. mqd_bdb.leases and mqd_bdb.operations run
-the jobs in terms of the few calls a layout (mqd_bdb.fifo and the modules
-that use it, mqd_bdb.random_set) supplies, declared at the end of Store.
+each, so one bad job fails alone. mqd_bdb.operations, mqd_bdb.leases and
+mqd_bdb.queue_ops run the jobs in terms of the few calls a layout
+(mqd_bdb.fifo and the modules that use it, mqd_bdb.random_set) supplies,
+declared at the end of Store.
 """
 
 from __future__ import annotations
@@ -123,16 +124,20 @@ class Store(Catalog):
     # -- what a layout supplies ------------------------------------------------
 
     #: Whether a message's key is its body's digest (a put of a body already
-    #: there stores nothing) rather than its offset.
+    #: there stores nothing) rather than its offset (mqd_bdb.records). The
+    #: layouts search for waiting messages from q.hint_key, or q.hint.
     keyed_by_body: ClassVar[bool] = False
-
-    def _key(self, q: QueueState, offset: int, body: bytes) -> bytes:
-        """The key of the message at `offset` with `body`."""
-        raise NotImplementedError("Store._key")
 
     def _first_waiting(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:
         """The record of the next waiting message to hand out; None if there is none."""
         raise NotImplementedError("Store._first_waiting")
+
+    def _take_first(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:
+        """Remove the record _first_waiting() finds, and return it."""
+        rec = self._first_waiting(txn, q)
+        if rec is not None:
+            q.mdb.delete(rec[0], txn)
+        return rec
 
     def _oldest_waiting(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:
         """The record of the waiting message put first (what drop_oldest drops)."""
@@ -141,10 +146,6 @@ class Store(Catalog):
     def _waiting_at(self, txn: Any, q: QueueState, offset: int) -> tuple[bytes, bytes] | None:
         """The record of the waiting message at `offset`; None if no message waits there."""
         raise NotImplementedError("Store._waiting_at")
-
-    def _advance(self, q: QueueState, key: bytes, offset: int) -> None:
-        """The waiting message at `key` was handed out: start the next search after it."""
-        raise NotImplementedError("Store._advance")
 
     def _rewind(self, q: QueueState, key: bytes, offset: int) -> None:
         """A message at `key` waits (again): let the next search find it."""
