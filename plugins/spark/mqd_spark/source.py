@@ -25,7 +25,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 from pyspark.sql.types import BinaryType, IntegralType, StringType, StructType
 
 from mqd_spark import options as opts
-from mqd_spark.wire import Address, Connection, Message, address_text
+from mqd_spark.wire import Address, Connection, Message, address_text, parse_servers
 
 SCHEMA = "queue string, id long, flags long, body binary"
 ARROW_SCHEMA = pa.schema(
@@ -114,10 +114,10 @@ class MqdDataSource(DataSource):
         return MqdStreamReader(options)
 
     def writer(self, schema: StructType, overwrite: bool) -> MqdWriter:
-        return MqdWriter(_write_options(self.options, schema), schema)
+        return MqdWriter(_write_options(self.options, schema, overwrite), schema)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> MqdStreamWriter:
-        return MqdStreamWriter(_write_options(self.options, schema), schema)
+        return MqdStreamWriter(_write_options(self.options, schema, overwrite), schema)
 
 
 class MqdReader(DataSourceReader):
@@ -185,7 +185,7 @@ class MqdStreamReader(DataSourceStreamReader):
         for key, (_, _, head, after) in self._heads().items():
             begin = start.get(key, head)
             if isinstance(limit, ReadMaxRows):
-                after = min(after, begin + limit.maxRows)
+                after = min(after, begin + limit.max_rows)
             end[key] = max(begin, after)
         return end
 
@@ -194,7 +194,7 @@ class MqdStreamReader(DataSourceStreamReader):
         drain = self.options.mode == "drain"
         for key, after in end.items():
             address, _, queue = key.partition("/")
-            server = opts.parse({"servers": address}).servers[0]
+            server = parse_servers(address)[0]
             first = start.get(key, 0)
             out += split(server, queue, first, after - 1, self.options.partitions, drain)
         return out
@@ -208,7 +208,7 @@ class MqdStreamReader(DataSourceStreamReader):
             return
         for key, after in end.items():
             address, _, queue = key.partition("/")
-            server = opts.parse({"servers": address}).servers[0]
+            server = parse_servers(address)[0]
             with Connection(server, self.options.timeout) as conn:
                 conn.remove_through(queue, after - 1)
 
@@ -219,8 +219,13 @@ class Written(WriterCommitMessage):
     not_stored: int
 
 
-def _write_options(options: dict[str, str], schema: StructType) -> opts.Options:
+def _write_options(options: dict[str, str], schema: StructType, overwrite: bool) -> opts.Options:
     """Checks the options and the columns before any task runs."""
+    if overwrite:
+        raise opts.OptionError(
+            'mqd write: save mode "overwrite" is not supported: messages are appended to a '
+            'queue; use .mode("append")'
+        )
     fields = {f.name.lower(): f.dataType for f in schema.fields}
     parsed = opts.parse(options, need_queue="queue" not in fields)
     if len(parsed.queues) > 1 or (parsed.queue and opts.GLOB_CHARS & set(parsed.queue)):
