@@ -19,7 +19,7 @@ from mqd_spark import options as opts
 from mqd_spark.wire import Address, Connection, WireError, address_text
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    from pyspark.sql import DataFrame, SparkSession
 
 FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv"}
 FLAG_TEXT = 16
@@ -81,13 +81,23 @@ def _progress(what: str, count: Callable[[], int], total: int | None) -> Iterato
             thread.join()
 
 
-def _session(master: str) -> object:
+@contextmanager
+def _session(master: str) -> Iterator[SparkSession]:
+    """A session on `master`, stopped at the end unless it was running before."""
+    from pyspark.sql import SparkSession
+
     from mqd_spark.session import SetupError, start
 
+    running = SparkSession.getActiveSession() is not None
     try:
-        return start(master)
+        spark = start(master)
     except SetupError as error:
         raise click.ClickException(str(error)) from None
+    try:
+        yield spark
+    finally:
+        if not running:
+            spark.stop()
 
 
 def _input_format(source: Path, fmt: str) -> str:
@@ -160,10 +170,21 @@ def ingest(
     """Enqueue one message per row (Parquet, CSV) or line (JSON lines, text) of SOURCE."""
     addresses = _servers(servers)
     fmt = _input_format(source, fmt)
-    spark = _session(master)
-    from pyspark.sql import SparkSession
+    with _session(master) as spark:
+        count, started = _ingest(spark, source, fmt, queue, servers, addresses, body_column, add)
+    _summary("ingested", count, f"{source} ({fmt})", f"queue {queue}", addresses, started)
 
-    assert isinstance(spark, SparkSession)
+
+def _ingest(
+    spark: SparkSession,
+    source: Path,
+    fmt: str,
+    queue: str,
+    servers: str,
+    addresses: list[Address],
+    body_column: str | None,
+    add: bool,
+) -> tuple[int, float]:
     reader = spark.read
     path = str(source)
     if fmt == "parquet":
@@ -181,8 +202,7 @@ def ingest(
     writer = df.write.format("mqd").option("servers", servers).option("queue", queue)
     with _progress("ingest", lambda: _counter(addresses, key), None):
         writer.option("command", "add" if add else "set").mode("append").save()
-    count = _counter(addresses, key) - before
-    _summary("ingested", count, f"{source} ({fmt})", f"queue {queue}", addresses, started)
+    return _counter(addresses, key) - before, started
 
 
 @pipeline.command()
@@ -218,35 +238,43 @@ def export(
     addresses = _servers(servers)
     if target.exists() and any(target.iterdir()):
         raise click.ClickException(f"{target} exists and is not empty")
+    source = {"servers": servers, "queue": queue, "mode": "drain" if drain else "peek"}
+    if limit:
+        source["limit"] = str(limit)
     try:
-        options = opts.parse({"servers": servers, "queue": queue, "mode": "drain"})
+        options = opts.parse(source)
     except opts.OptionError as error:
         raise click.BadParameter(str(error), param_hint="--queue") from None
     total, text = _survey(options, limit)
-    spark = _session(master)
-    from pyspark.sql import SparkSession
+    as_text = body_type == "string" or (body_type == "auto" and (fmt == "jsonl" or text))
+    with _session(master) as spark:
+        count, started = _export(spark, source, target, fmt, as_text, addresses, total)
+    how = "drained" if drain else "exported"
+    _summary(how, count, f"queue {queue}", f"{target} ({fmt})", addresses, started)
 
-    assert isinstance(spark, SparkSession)
+
+def _export(
+    spark: SparkSession,
+    source: dict[str, str],
+    target: Path,
+    fmt: str,
+    as_text: bool,
+    addresses: list[Address],
+    total: int,
+) -> tuple[int, float]:
     import mqd_spark
 
-    reader = spark.read.format("mqd").option("servers", servers).option("queue", queue)
-    reader = reader.option("mode", "drain" if drain else "peek")
-    if limit:
-        reader = reader.option("limit", str(limit))
-    df = reader.load()
-    if body_type == "string" or (body_type == "auto" and (fmt == "jsonl" or text)):
+    df = spark.read.format("mqd").options(**source).load()
+    if as_text:
         df = df.withColumn("body", df["body"].cast("string"))
     started = time.monotonic()
     with _progress("export", lambda: _counter(addresses, "get_hits"), total):
         writer = df.write.mode("errorifexists")
         writer.parquet(str(target)) if fmt == "parquet" else writer.json(str(target))
-    if drain:
+    if source["mode"] == "drain":
         mqd_spark.wait_for_commits(spark)
-    count = spark.read.parquet(str(target)).count() if fmt == "parquet" else None
-    if count is None:
-        count = spark.read.json(str(target)).count()
-    how = "drained" if drain else "exported"
-    _summary(how, count, f"queue {queue}", f"{target} ({fmt})", addresses, started)
+    files = spark.read.parquet(str(target)) if fmt == "parquet" else spark.read.json(str(target))
+    return files.count(), started
 
 
 def _survey(options: opts.Options, limit: int | None) -> tuple[int, bool]:
