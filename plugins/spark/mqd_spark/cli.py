@@ -58,7 +58,12 @@ def _progress(what: str, count: Callable[[], int], total: int | None) -> Iterato
     )
 
     stop = threading.Event()
-    columns = [TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}")]
+    columns = [
+        TextColumn(what),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"),
+    ]
     with Progress(*columns, TimeElapsedColumn(), transient=True) as progress:
         task = progress.add_task(what, total=total, rate="")
         start, base = time.monotonic(), count()

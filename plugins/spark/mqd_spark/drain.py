@@ -117,7 +117,7 @@ def install(spark: SparkSession) -> DrainCommitter | None:
 
     gateway = spark.sparkContext._gateway
     assert gateway is not None
-    ensure_callback_server_started(gateway)
+    ensure_callback_server_started(gateway)  # type: ignore[no-untyped-call]
     committer = DrainCommitter()
     jsession.listenerManager().register(committer)
     _committers[jsession.hashCode()] = committer

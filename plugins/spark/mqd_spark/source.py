@@ -8,7 +8,7 @@ mqd_spark.drain for batch reads and `MqdStreamReader.commit` for streams.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -169,7 +169,12 @@ class MqdStreamReader(DataSourceStreamReader):
                 for queue in opts.resolve(self.options, conn):
                     head = conn.head(queue)
                     if head is not None:
-                        out[_key(server, queue)] = (server, queue, head, tail(conn, queue, head) + 1)
+                        out[_key(server, queue)] = (
+                            server,
+                            queue,
+                            head,
+                            tail(conn, queue, head) + 1,
+                        )
         return out
 
     def initialOffset(self) -> dict[str, int]:
@@ -219,7 +224,7 @@ class Written(WriterCommitMessage):
     not_stored: int
 
 
-def _write_options(options: dict[str, str], schema: StructType, overwrite: bool) -> opts.Options:
+def _write_options(options: Mapping[str, str], schema: StructType, overwrite: bool) -> opts.Options:
     """Checks the options and the columns before any task runs."""
     if overwrite:
         raise opts.OptionError(

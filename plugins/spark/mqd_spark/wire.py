@@ -114,7 +114,7 @@ class Connection:
 
     def _values(self) -> list[tuple[int, int, bytes]]:
         """(id, flags, body) of each VALUE of a `gets` reply, up to END."""
-        out = []
+        out: list[tuple[int, int, bytes]] = []
         while True:
             line = self._line()
             if line == b"END":
@@ -200,7 +200,8 @@ class Connection:
         batch: list[bytes] = []
         for queue, body, flags, exptime in rows:
             batch.append(
-                b"%b %b %d %d %d\r\n%b\r\n" % (verb, queue.encode(), flags, exptime, len(body), body)
+                b"%b %b %d %d %d\r\n%b\r\n"
+                % (verb, queue.encode(), flags, exptime, len(body), body)
             )
             if len(batch) >= STORE_BATCH:
                 ok, no = self._store_batch(batch)
@@ -229,7 +230,7 @@ class Connection:
     def stats(self) -> dict[str, str]:
         """`stats`: the general counters and the per-queue lines, as text."""
         self.sock.sendall(b"stats\r\n")
-        out = {}
+        out: dict[str, str] = {}
         while (line := self._line()) != b"END":
             _, name, value = line.decode("utf-8", "surrogateescape").split(" ", 2)
             out[name] = value

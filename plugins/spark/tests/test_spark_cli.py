@@ -17,6 +17,8 @@ from spark_helpers import fill, items, servers
 from mqd import cli
 from mqd.testing.daemon import Daemon, free_port
 
+pytest_plugins = ("spark_helpers",)
+
 
 def mqd_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "mqd", *args]

@@ -16,14 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.parquet as pq
-import pytest
 import pyspark
+import pytest
 from spark_helpers import fill, items, servers
 
 from mqd.testing.daemon import Daemon, free_port
 
 SPARK_HOME = Path(pyspark.__file__).parent
 START_TIMEOUT = 90.0
+
+pytest_plugins = ("spark_helpers",)
 
 
 def spark_class(name: str, *args: str, log: Path) -> subprocess.Popen[bytes]:

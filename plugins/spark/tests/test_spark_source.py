@@ -6,15 +6,18 @@ import sys
 import time
 from pathlib import Path
 
+import mqd_spark
 import pytest
 from pyspark import TaskContext, cloudpickle
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.functions import col, concat_ws, spark_partition_id, udf
+from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.types import BinaryType
 from spark_helpers import fill, items, servers, take_all
 
-import mqd_spark
 from mqd.testing.daemon import Daemon
+
+pytest_plugins = ("spark_helpers",)
 
 
 def read(spark: SparkSession, daemon: Daemon | str, queue: str, **options: str) -> DataFrame:
@@ -48,9 +51,7 @@ def test_drain_removes_exactly_what_it_read(spark: SparkSession, mqd: Daemon, q:
     assert take_all(mqd, q) == bodies(40)[25:]
 
 
-def test_write_keeps_order_within_each_partition(
-    spark: SparkSession, mqd: Daemon, q: str
-) -> None:
+def test_write_keeps_order_within_each_partition(spark: SparkSession, mqd: Daemon, q: str) -> None:
     df = spark.range(0, 400, 1, 4).select(
         concat_ws(":", spark_partition_id(), col("id")).alias("body")
     )
@@ -67,7 +68,8 @@ def test_write_flags_exptime_and_queue_columns(
     spark: SparkSession, memory_mqd: Daemon, q: str
 ) -> None:
     df = spark.createDataFrame(
-        [(b"a", 7, 0, q + "x"), (b"b", 9, 0, q + "y")], "body binary, flags int, exptime int, queue string"
+        [(b"a", 7, 0, q + "x"), (b"b", 9, 0, q + "y")],
+        "body binary, flags int, exptime int, queue string",
     )
     df.write.format("mqd").option("servers", servers(memory_mqd)).mode("append").save()
     rows = read(spark, memory_mqd, f"{q}x,{q}y").collect()
@@ -104,7 +106,7 @@ def _always_fails(body: bytes) -> bytes:
 
 
 # Spark's workers cannot import this test module: ship the functions by value.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
 fails_once = udf(_fails_once, BinaryType(), useArrow=False)
 always_fails = udf(_always_fails, BinaryType(), useArrow=False)
 
@@ -162,7 +164,7 @@ def test_stream_restarted_from_its_checkpoint_is_exactly_once(
     fill(mqd, q, bodies(120))
     out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
 
-    def start() -> object:
+    def start() -> StreamingQuery:
         stream = (
             spark.readStream.format("mqd")
             .option("servers", servers(mqd))
@@ -181,16 +183,16 @@ def test_stream_restarted_from_its_checkpoint_is_exactly_once(
     query = start()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # stop it mid-stream, after two batches
-        assert query.exception() is None  # type: ignore[attr-defined]
-        if sum(1 for p in query.recentProgress if p["numInputRows"] > 0) >= 2:  # type: ignore[attr-defined]
+        assert query.exception() is None
+        if sum(1 for p in query.recentProgress if p["numInputRows"] > 0) >= 2:
             break
         time.sleep(0.1)
-    query.stop()  # type: ignore[attr-defined]
+    query.stop()
     assert spark.read.parquet(str(out)).count() < 120
     fill(mqd, q, bodies(30, "late"))
     query = start()
-    query.processAllAvailable()  # type: ignore[attr-defined]
-    query.stop()  # type: ignore[attr-defined]
+    query.processAllAvailable()
+    query.stop()
     got = sorted(r.body for r in spark.read.parquet(str(out)).collect())
     assert got == sorted(bodies(120) + bodies(30, "late"))
     # Spark commits a batch when it plans the next: only the last batch may remain.
@@ -202,7 +204,10 @@ def test_stream_sink_moves_rows_between_queues(
 ) -> None:
     fill(memory_mqd, q, bodies(50))
     stream = (
-        spark.readStream.format("mqd").option("servers", servers(memory_mqd)).option("queue", q).load()
+        spark.readStream.format("mqd")
+        .option("servers", servers(memory_mqd))
+        .option("queue", q)
+        .load()
     )
     query = (
         stream.select("body")
@@ -242,5 +247,7 @@ def test_write_without_a_body_column_fails_at_save(
 ) -> None:
     df = spark.createDataFrame([(1,)], "n int")
     with pytest.raises(Exception, match="needs a `body` column of string or binary"):
-        df.write.format("mqd").option("servers", servers(memory_mqd)).option("queue", q).mode("append").save()
+        df.write.format("mqd").option("servers", servers(memory_mqd)).option("queue", q).mode(
+            "append"
+        ).save()
     assert items(memory_mqd, q) == 0
