@@ -1,6 +1,7 @@
 """Spark pipeline benchmark: bulk ingest and export through the "mqd" data source.
 
-In one run, against one mqd (memory backend) on a free loopback port:
+In one run, against one mqd (bdb backend, sync "none", by default) on a free
+loopback port:
 
 1. the reference: a plain single-process pymemcache loop enqueues N messages
    of 100 bytes (`set`, one at a time), then dequeues them all (`get`);
@@ -14,7 +15,8 @@ Every leg is checked: the count, and a digest of the sorted bodies, must equal
 the input's. Spark's start-up is timed apart from the jobs. Ratios are against
 the pymemcache loop of the same run.
 
-Usage: python benchmarks/run_spark.py [--count 1000000] [--size 100]
+Usage: python benchmarks/run_spark.py [--count 1000000] [--size 100] [--backend bdb]
+       [--sync none] [--master local[2]]
 """
 
 from __future__ import annotations
@@ -63,12 +65,21 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=1_000_000)
     parser.add_argument("--size", type=int, default=100)
     parser.add_argument("--master", default="local[2]")
+    parser.add_argument(
+        "--backend",
+        default="bdb",
+        help="mqd backend (default bdb; the memory backend reads by id in time linear "
+        "in the queue's length, which dominates an export of a long queue)",
+    )
+    parser.add_argument("--sync", default="none", help="the queues' sync setting (bdb)")
     args = parser.parse_args()
     count, size = args.count, args.size
     data = bodies(count, size)
     expected = digest(data)
     rows: list[list[str]] = []
-    with tempfile.TemporaryDirectory(prefix="bench-spark-") as tmp, mqd("memory") as server:
+    config = f'[queues."*"]\nsync = "{args.sync}"\n'
+    server = mqd(args.backend, config=config)
+    with tempfile.TemporaryDirectory(prefix="bench-spark-") as tmp, server:
         port = server.port
         source = Path(tmp) / "in.parquet"
         pq.write_table(pa.table({"body": pa.array(data, pa.binary())}), source)
@@ -91,9 +102,8 @@ def main() -> int:
         # 2. Spark
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         start = time.perf_counter()
-        from pyspark.sql import SparkSession
-
         import mqd_spark
+        from pyspark.sql import SparkSession
 
         spark = (
             SparkSession.builder.master(args.master)
@@ -149,7 +159,8 @@ def main() -> int:
     )
     rows[-1].append(fmt_rate(ceiling_out))
     print_table(
-        f"{count:,} messages of {size} bytes, Spark {args.master} (start-up {startup:.1f} s apart)",
+        f"{count:,} messages of {size} bytes, mqd {args.backend} (sync {args.sync}), "
+        f"Spark {args.master} (start-up {startup:.1f} s apart)",
         ["leg", "pymemcache loop rows/s", "Spark rows/s", "Spark/loop", "daemon ceiling ops/s"],
         rows,
     )

@@ -287,10 +287,8 @@ def _survey(options: opts.Options, limit: int | None) -> tuple[int, bool]:
     total, text = 0, None
     for server in options.servers:
         with Connection(server, timeout=5) as conn:
-            stats = conn.queue_stats()
-            for name in opts.resolve(options, conn):
-                items = stats.get(name, {}).get("items", 0)
-                total += min(items, limit) if limit else items
+            for name, head, last in opts.survey(options, conn):
+                total += min(last - head + 1, limit or last - head + 1)
                 first = conn.peek(name) if text is None else None
                 if first is not None:
                     text = bool(first.flags & FLAG_TEXT)

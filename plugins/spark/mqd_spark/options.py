@@ -91,11 +91,20 @@ def _number(
     return value
 
 
-def resolve(options: Options, conn: Connection) -> list[str]:
-    """The queue names on one server: names as given, globs matched against its queues."""
-    names = [q for q in options.queues if not GLOB_CHARS & set(q)]
+def survey(options: Options, conn: Connection) -> list[tuple[str, int, int]]:
+    """(queue, head id, last id) of each matching queue with messages on one server, now.
+
+    The last id assumes ids without gaps from the head (head + items - 1). With
+    gaps (expired messages) it is lower than the real one: a read then stops
+    early and a later one gets the rest, never a wrong row.
+    """
+    stats = conn.queue_stats()
+    names = {q for q in options.queues if not GLOB_CHARS & set(q)}
     globs = [q for q in options.queues if GLOB_CHARS & set(q)]
-    if globs:
-        existing = sorted(conn.queue_stats())
-        names += [q for q in existing if any(fnmatch.fnmatchcase(q, g) for g in globs)]
-    return sorted(set(names))
+    names |= {q for q in stats if any(fnmatch.fnmatchcase(q, g) for g in globs)}
+    out = []
+    for queue in sorted(names):
+        head = conn.head(queue)
+        if head is not None:
+            out.append((queue, head, head + stats.get(queue, {}).get("items", 0) - 1))
+    return out

@@ -83,16 +83,6 @@ def _batch(messages: list[Message]) -> pa.RecordBatch:
     )
 
 
-def tail(conn: Connection, queue: str, head: int) -> int:
-    """The id of the queue's last message, assuming ids without gaps from the head.
-
-    With gaps (expired messages) this is lower than the real last id: a read
-    then stops early and a later one gets the rest, never a wrong row.
-    """
-    items = conn.queue_stats().get(queue, {}).get("items", 0)
-    return head + items - 1
-
-
 class MqdDataSource(DataSource):
     """Registered as format "mqd" by mqd_spark.register(spark)."""
 
@@ -130,14 +120,11 @@ class MqdReader(DataSourceReader):
         drain = self.options.mode == "drain"
         for server in self.options.servers:
             with Connection(server, self.options.timeout) as conn:
-                for queue in opts.resolve(self.options, conn):
-                    head = conn.head(queue)
-                    if head is None:
-                        continue
-                    last = tail(conn, queue, head)
-                    if self.options.limit is not None:
-                        last = min(last, head + self.options.limit - 1)
-                    out += split(server, queue, head, last, self.options.partitions, drain)
+                found = opts.survey(self.options, conn)
+            for queue, head, last in found:
+                if self.options.limit is not None:
+                    last = min(last, head + self.options.limit - 1)
+                out += split(server, queue, head, last, self.options.partitions, drain)
         return out
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -161,24 +148,18 @@ class MqdStreamReader(DataSourceStreamReader):
     def __init__(self, options: opts.Options) -> None:
         self.options = options
 
-    def _heads(self) -> dict[str, tuple[Address, str, int, int]]:
-        """For each queue now: (server, queue, head id, one past the last id)."""
+    def _heads(self) -> dict[str, tuple[int, int]]:
+        """For each queue now: its head id and one past its last id."""
         out = {}
         for server in self.options.servers:
             with Connection(server, self.options.timeout) as conn:
-                for queue in opts.resolve(self.options, conn):
-                    head = conn.head(queue)
-                    if head is not None:
-                        out[_key(server, queue)] = (
-                            server,
-                            queue,
-                            head,
-                            tail(conn, queue, head) + 1,
-                        )
+                found = opts.survey(self.options, conn)
+            for queue, head, last in found:
+                out[_key(server, queue)] = (head, last + 1)
         return out
 
     def initialOffset(self) -> dict[str, int]:
-        return {key: head for key, (_, _, head, _) in self._heads().items()}
+        return {key: head for key, (head, _) in self._heads().items()}
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.options.limit is not None:
@@ -187,8 +168,13 @@ class MqdStreamReader(DataSourceStreamReader):
 
     def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
         end = dict(start)
-        for key, (_, _, head, after) in self._heads().items():
-            begin = start.get(key, head)
+        for key, (head, after) in self._heads().items():
+            if key not in start:
+                # A queue that appeared (or filled) after the start: it joins at its
+                # head, read from the next batch on, so that every batch is by id.
+                end[key] = head
+                continue
+            begin = start[key]
             if isinstance(limit, ReadMaxRows):
                 after = min(after, begin + limit.max_rows)
             end[key] = max(begin, after)
@@ -200,7 +186,7 @@ class MqdStreamReader(DataSourceStreamReader):
         for key, after in end.items():
             address, _, queue = key.partition("/")
             server = parse_servers(address)[0]
-            first = start.get(key, 0)
+            first = start.get(key, after)
             out += split(server, queue, first, after - 1, self.options.partitions, drain)
         return out
 
