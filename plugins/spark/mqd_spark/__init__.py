@@ -9,10 +9,17 @@ Importing this package does not import PySpark; register() does.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+# Spark's Python workers run `python3` from PATH unless told otherwise; the data
+# source needs an interpreter that has mqd_spark and pyarrow, as this one does.
+# Set before a session starts (Spark reads it then); an explicit setting wins.
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
 __all__ = ["register", "wait_for_commits"]
 

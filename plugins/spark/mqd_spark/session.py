@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,8 +42,6 @@ def start(master: str = "local[*]", app_name: str = "mqd pipeline") -> SparkSess
         raise SetupError("PySpark is missing: pip install -e plugins/spark") from None
     import mqd_spark
 
-    # Python workers must run this interpreter, which has mqd_spark and pyarrow.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder: SparkSession.Builder = SparkSession.builder
     spark = (
         builder.master(master)

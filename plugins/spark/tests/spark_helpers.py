@@ -4,8 +4,6 @@ with a plain memcached client."""
 
 from __future__ import annotations
 
-import os
-import sys
 import uuid
 from collections.abc import Iterator
 
@@ -26,7 +24,6 @@ MASTER = "local[2,2]"
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     session = (
         SparkSession.builder.master(MASTER)
         .appName("mqd-spark tests")
