@@ -1,7 +1,6 @@
 """Spark pipeline benchmark: bulk ingest and export through the "mqd" data source.
 
-In one run, against one mqd (bdb backend, sync "none", by default) on a free
-loopback port:
+In one run, against one mqd (memory backend by default) on a free loopback port:
 
 1. the reference: a plain single-process pymemcache loop enqueues N messages
    of 100 bytes (`set`, one at a time), then dequeues them all (`get`);
@@ -15,7 +14,7 @@ Every leg is checked: the count, and a digest of the sorted bodies, must equal
 the input's. Spark's start-up is timed apart from the jobs. Ratios are against
 the pymemcache loop of the same run.
 
-Usage: python benchmarks/run_spark.py [--count 1000000] [--size 100] [--backend bdb]
+Usage: python benchmarks/run_spark.py [--count 1000000] [--size 100] [--backend memory]
        [--sync none] [--master local[2]]
 """
 
@@ -67,9 +66,8 @@ def main() -> int:
     parser.add_argument("--master", default="local[2]")
     parser.add_argument(
         "--backend",
-        default="bdb",
-        help="mqd backend (default bdb; the memory backend reads by id in time linear "
-        "in the queue's length, which dominates an export of a long queue)",
+        default="memory",
+        help="mqd backend (default memory)",
     )
     parser.add_argument("--sync", default="none", help="the queues' sync setting (bdb)")
     args = parser.parse_args()
