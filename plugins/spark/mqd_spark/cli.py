@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,7 +41,7 @@ def _servers(text: str) -> list[Address]:
 def _counter(servers: list[Address], name: str) -> int:
     total = 0
     for server in servers:
-        with Connection(server, timeout=5) as conn:
+        with closing(Connection(server, timeout=5)) as conn:
             total += int(conn.stats().get(name, 0))
     return total
 
@@ -286,7 +286,7 @@ def _survey(options: opts.Options, limit: int | None) -> tuple[int, bool]:
     """Messages waiting in the matching queues now, and whether the first is text."""
     total, text = 0, None
     for server in options.servers:
-        with Connection(server, timeout=5) as conn:
+        with closing(Connection(server, timeout=5)) as conn:
             for name, head, last in opts.survey(options, conn):
                 total += min(last - head + 1, limit or last - head + 1)
                 first = conn.peek(name) if text is None else None

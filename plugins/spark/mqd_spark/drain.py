@@ -14,6 +14,7 @@ import logging
 import pickle
 from collections import deque
 from collections.abc import Iterator
+from contextlib import closing
 from typing import Any
 
 from pyspark.sql import SparkSession
@@ -66,7 +67,7 @@ class DrainCommitter:
             key = (p.server, p.queue)
             last[key] = max(last.get(key, p.last), p.last)
         for (server, queue), end in sorted(last.items()):
-            with Connection(server) as conn:
+            with closing(Connection(server)) as conn:
                 removed = conn.remove_through(queue, end)
             self.committed.append((address_text(server), queue, end, removed))
 

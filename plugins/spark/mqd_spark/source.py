@@ -9,6 +9,7 @@ mqd_spark.drain for batch reads and `MqdStreamReader.commit` for streams.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -66,7 +67,7 @@ def split(
 
 
 def read_partition(partition: MqdPartition, timeout: float) -> Iterator[pa.RecordBatch]:
-    with Connection(partition.server, timeout) as conn:
+    with closing(Connection(partition.server, timeout)) as conn:
         for chunk in conn.read_ids(partition.queue, partition.first, partition.last):
             yield _batch(chunk)
 
@@ -119,7 +120,7 @@ class MqdReader(DataSourceReader):
         out: list[InputPartition] = []
         drain = self.options.mode == "drain"
         for server in self.options.servers:
-            with Connection(server, self.options.timeout) as conn:
+            with closing(Connection(server, self.options.timeout)) as conn:
                 found = opts.survey(self.options, conn)
             for queue, head, last in found:
                 if self.options.limit is not None:
@@ -152,7 +153,7 @@ class MqdStreamReader(DataSourceStreamReader):
         """For each queue now: its head id and one past its last id."""
         out = {}
         for server in self.options.servers:
-            with Connection(server, self.options.timeout) as conn:
+            with closing(Connection(server, self.options.timeout)) as conn:
                 found = opts.survey(self.options, conn)
             for queue, head, last in found:
                 out[_key(server, queue)] = (head, last + 1)
@@ -200,7 +201,7 @@ class MqdStreamReader(DataSourceStreamReader):
         for key, after in end.items():
             address, _, queue = key.partition("/")
             server = parse_servers(address)[0]
-            with Connection(server, self.options.timeout) as conn:
+            with closing(Connection(server, self.options.timeout)) as conn:
                 conn.remove_through(queue, after - 1)
 
 
@@ -254,7 +255,7 @@ class MqdWriter(DataSourceArrowWriter):
         context = TaskContext.get()
         index = context.partitionId() if context else 0
         server = self.options.servers[index % len(self.options.servers)]
-        with Connection(server, self.options.timeout) as conn:
+        with closing(Connection(server, self.options.timeout)) as conn:
             result = conn.store(self._rows(iterator), self.options.command)
         return Written(result.stored, result.not_stored)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Iterable, Iterator
-from types import TracebackType
 from typing import NamedTuple
 
 log = logging.getLogger(__name__)
@@ -67,17 +66,6 @@ class Connection:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buf = bytearray()
         self.pos = 0
-
-    def __enter__(self) -> Connection:
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def close(self) -> None:
         self.sock.close()
