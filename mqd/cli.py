@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,36 @@ def _load(config_path: Path | None, **overrides: Any) -> configuration.Config:
         raise click.ClickException(str(error)) from None
 
 
-@click.group(context_settings={"auto_envvar_prefix": "MQD", "help_option_names": ["-h", "--help"]})
+class PluginGroup(click.Group):
+    """Built-in commands, plus those other distributions add in the `mqd.commands`
+    entry-point group; a plugin's module is imported only when its command runs."""
+
+    # Commands that a distribution of the project adds, and how to get them.
+    OPTIONAL = {"pipeline": "mqd-spark: pip install -e plugins/spark (bin/setup installs it)"}
+
+    def _plugins(self) -> dict[str, metadata.EntryPoint]:
+        return {p.name: p for p in metadata.entry_points(group="mqd.commands")}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self._plugins()})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        command = super().get_command(ctx, name)
+        if command is not None:
+            return command
+        point = self._plugins().get(name)
+        if point is None:
+            if name in self.OPTIONAL:
+                raise click.UsageError(f"`mqd {name}` needs {self.OPTIONAL[name]}")
+            return None
+        loaded = point.load()
+        return loaded if isinstance(loaded, click.Command) else None
+
+
+@click.group(
+    cls=PluginGroup,
+    context_settings={"auto_envvar_prefix": "MQD", "help_option_names": ["-h", "--help"]},
+)
 @click.version_option(__version__, "--version", "-V", prog_name="mqd")
 def main() -> None:
     """mqd: a message-queue daemon that speaks the memcached text protocol."""

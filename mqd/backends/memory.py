@@ -92,6 +92,13 @@ class _Queue:
         self.count(message.body, -1)
 
     def find_waiting(self, offset: int) -> int | None:
+        # Offsets in `waiting` are nearly contiguous, so first try where the offset
+        # would be without gaps: one deque index (O(distance to an end / 64)),
+        # where a bisect takes about twenty of them on a long queue.
+        if self.waiting:
+            guess = offset - self.waiting[0].offset
+            if 0 <= guess < len(self.waiting) and self.waiting[guess].offset == offset:
+                return guess
         i = bisect.bisect_left(self.waiting, offset, key=_offset)
         if i < len(self.waiting) and self.waiting[i].offset == offset:
             return i

@@ -1,0 +1,110 @@
+"""The data source's options, checked once, with errors that name the option and what is allowed."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from mqd_spark.wire import Address, Connection, parse_servers
+
+DEFAULT_SERVERS = "127.0.0.1:22133"
+MODES = ("peek", "drain")
+COMMANDS = ("set", "add")
+GLOB_CHARS = frozenset("*?[")
+# A partition reads this many ids by default; `partitions` overrides it per queue.
+ROWS_PER_PARTITION = 100_000
+
+
+class OptionError(ValueError):
+    """A bad option: the message is one line naming the option and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Options:
+    servers: tuple[Address, ...]
+    queues: tuple[str, ...]  # names or globs; empty when the rows name their queue
+    mode: str
+    limit: int | None  # at most this many messages per queue and server
+    partitions: int | None  # per queue and server; None: one per ROWS_PER_PARTITION ids
+    command: str  # for writes: set, or add (a body already in the queue is not stored again)
+    exptime: int
+    flags: int | None
+    timeout: float
+
+    @property
+    def queue(self) -> str | None:
+        """The one queue a write goes to (None: the rows' queue column decides)."""
+        return self.queues[0] if self.queues else None
+
+
+def parse(options: Mapping[str, str], *, need_queue: bool = True) -> Options:
+    """Checks every option the data source knows; unknown ones are left to Spark."""
+    opts = {k.lower(): v for k, v in options.items()}
+    try:
+        servers = tuple(parse_servers(opts.get("servers", DEFAULT_SERVERS)))
+    except ValueError as error:
+        raise OptionError(f"mqd option servers: {error}") from None
+    queues = tuple(q.strip() for q in opts.get("queue", "").split(",") if q.strip())
+    if need_queue and not queues:
+        raise OptionError(
+            "mqd option queue is missing: name a queue, several (a,b) or a glob (jobs.*)"
+        )
+    for name in queues:
+        if len(name.encode()) > 250 or any(c in name for c in "/+") or not name.isprintable():
+            raise OptionError(
+                f"mqd option queue: bad queue name {name!r}: 1-250 bytes, no spaces, control "
+                "characters, '/' or '+'"
+            )
+    mode = opts.get("mode", "peek").lower()
+    if mode not in MODES:
+        raise OptionError(f"mqd option mode={mode!r}: must be one of {', '.join(MODES)}")
+    command = opts.get("command", "set").lower()
+    if command not in COMMANDS:
+        raise OptionError(f"mqd option command={command!r}: must be one of {', '.join(COMMANDS)}")
+    limit_key = "max_messages" if "max_messages" in opts else "limit"
+    return Options(
+        servers=servers,
+        queues=queues,
+        mode=mode,
+        limit=_number(opts, limit_key, minimum=1),
+        partitions=_number(opts, "partitions", minimum=1),
+        command=command,
+        exptime=_number(opts, "exptime", minimum=-(2**31)) or 0,
+        flags=_number(opts, "flags", minimum=0, maximum=2**32 - 1),
+        timeout=float(_number(opts, "timeout", minimum=1) or 30),
+    )
+
+
+def _number(
+    opts: Mapping[str, str], key: str, *, minimum: int, maximum: int = 2**63 - 1
+) -> int | None:
+    if key not in opts:
+        return None
+    text = opts[key].strip()
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if not minimum <= value <= maximum:
+        raise OptionError(f"mqd option {key}={text!r}: must be a whole number >= {minimum}")
+    return value
+
+
+def survey(options: Options, conn: Connection) -> list[tuple[str, int, int]]:
+    """(queue, head id, last id) of each matching queue with messages on one server, now.
+
+    The last id assumes ids without gaps from the head (head + items - 1). With
+    gaps (expired messages) it is lower than the real one: a read then stops
+    early and a later one gets the rest, never a wrong row.
+    """
+    stats = conn.queue_stats()
+    names = {q for q in options.queues if not GLOB_CHARS & set(q)}
+    globs = [q for q in options.queues if GLOB_CHARS & set(q)]
+    names |= {q for q in stats if any(fnmatch.fnmatchcase(q, g) for g in globs)}
+    out = []
+    for queue in sorted(names):
+        head = conn.head(queue)
+        if head is not None:
+            out.append((queue, head, head + stats.get(queue, {}).get("items", 0) - 1))
+    return out

@@ -1,0 +1,298 @@
+"""The "mqd" PySpark data source: batch and streaming reads and writes over the wire.
+
+Reads are by message id (`gets <q>/at=<id>`), so a Spark task that is retried
+reads exactly the rows it read before. A drain removes rows only once Spark
+reports that the job (or the micro-batch) that read them succeeded: see
+mqd_spark.drain for batch reads and `MqdStreamReader.commit` for streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import closing
+from dataclasses import dataclass
+
+import pyarrow as pa
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceReader,
+    DataSourceStreamArrowWriter,
+    DataSourceStreamReader,
+    InputPartition,
+    WriterCommitMessage,
+)
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
+from pyspark.sql.types import BinaryType, IntegralType, StringType, StructType
+
+from mqd_spark import options as opts
+from mqd_spark.wire import Address, Connection, Message, address_text, parse_servers
+
+SCHEMA = "queue string, id long, flags long, body binary"
+ARROW_SCHEMA = pa.schema(
+    [("queue", pa.string()), ("id", pa.int64()), ("flags", pa.int64()), ("body", pa.binary())]
+)
+# pymemcache's serializers mark a str body with this flag (FLAG_TEXT) and give
+# str back for it; a string `body` column is written with it unless flags say otherwise.
+FLAG_TEXT = 16
+
+
+class MqdPartition(InputPartition):
+    """Messages first..last (ids) of one queue on one server."""
+
+    def __init__(self, server: Address, queue: str, first: int, last: int, drain: bool) -> None:
+        super().__init__((server, queue, first, last))
+        self.server, self.queue, self.first, self.last, self.drain = (
+            server,
+            queue,
+            first,
+            last,
+            drain,
+        )
+
+
+def split(
+    server: Address, queue: str, first: int, last: int, parts: int | None, drain: bool
+) -> list[MqdPartition]:
+    """first..last cut into `parts` ranges (default: one per ROWS_PER_PARTITION ids)."""
+    size = last - first + 1
+    if size <= 0:
+        return []
+    parts = min(size, parts or -(-size // opts.ROWS_PER_PARTITION))
+    step = -(-size // parts)
+    return [
+        MqdPartition(server, queue, lo, min(last, lo + step - 1), drain)
+        for lo in range(first, last + 1, step)
+    ]
+
+
+def read_partition(partition: MqdPartition, timeout: float) -> Iterator[pa.RecordBatch]:
+    with closing(Connection(partition.server, timeout)) as conn:
+        for chunk in conn.read_ids(partition.queue, partition.first, partition.last):
+            yield _batch(chunk)
+
+
+def _batch(messages: list[Message]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([m.queue for m in messages], pa.string()),
+            pa.array([m.id for m in messages], pa.int64()),
+            pa.array([m.flags for m in messages], pa.int64()),
+            pa.array([m.body for m in messages], pa.binary()),
+        ],
+        schema=ARROW_SCHEMA,
+    )
+
+
+class MqdDataSource(DataSource):
+    """Registered as format "mqd" by mqd_spark.register(spark)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "mqd"
+
+    def schema(self) -> str:
+        opts.parse(self.options)  # load() fails here, in one line, on a bad option
+        return SCHEMA
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return MqdReader(opts.parse(self.options))
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        options = opts.parse(self.options)
+        if "mode" not in {k.lower() for k in self.options}:
+            options = opts.Options(**{**options.__dict__, "mode": "drain"})
+        return MqdStreamReader(options)
+
+    def writer(self, schema: StructType, overwrite: bool) -> MqdWriter:
+        return MqdWriter(_write_options(self.options, schema, overwrite), schema)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> MqdStreamWriter:
+        return MqdStreamWriter(_write_options(self.options, schema, overwrite), schema)
+
+
+class MqdReader(DataSourceReader):
+    def __init__(self, options: opts.Options) -> None:
+        self.options = options
+
+    def partitions(self) -> Sequence[InputPartition]:
+        """Each queue's ids from its head to its tail (or `limit`), as they are now."""
+        out: list[InputPartition] = []
+        drain = self.options.mode == "drain"
+        for server in self.options.servers:
+            with closing(Connection(server, self.options.timeout)) as conn:
+                found = opts.survey(self.options, conn)
+            for queue, head, last in found:
+                if self.options.limit is not None:
+                    last = min(last, head + self.options.limit - 1)
+                out += split(server, queue, head, last, self.options.partitions, drain)
+        return out
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, MqdPartition)
+        return read_partition(partition, self.options.timeout)
+
+
+def _key(server: Address, queue: str) -> str:
+    return f"{address_text(server)}/{queue}"
+
+
+class MqdStreamReader(DataSourceStreamReader):
+    """Offsets are {"host:port/queue": next id}; a batch reads ids start..end-1 by id.
+
+    commit(end) removes the batch's rows (drain mode); Spark calls it for batch
+    k when it plans batch k+1, so the last batch's rows stay until more arrive.
+    A restart from the checkpoint resumes at the committed offsets and reads
+    by id, so rows left behind are neither lost nor read twice.
+    """
+
+    def __init__(self, options: opts.Options) -> None:
+        self.options = options
+
+    def _heads(self) -> dict[str, tuple[int, int]]:
+        """For each queue now: its head id and one past its last id."""
+        out = {}
+        for server in self.options.servers:
+            with closing(Connection(server, self.options.timeout)) as conn:
+                found = opts.survey(self.options, conn)
+            for queue, head, last in found:
+                out[_key(server, queue)] = (head, last + 1)
+        return out
+
+    def initialOffset(self) -> dict[str, int]:
+        return {key: head for key, (head, _) in self._heads().items()}
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.options.limit is not None:
+            return ReadMaxRows(self.options.limit)
+        return ReadAllAvailable()
+
+    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
+        end = dict(start)
+        for key, (head, after) in self._heads().items():
+            if key not in start:
+                # A queue that appeared (or filled) after the start: it joins at its
+                # head, read from the next batch on, so that every batch is by id.
+                end[key] = head
+                continue
+            begin = start[key]
+            if isinstance(limit, ReadMaxRows):
+                after = min(after, begin + limit.max_rows)
+            end[key] = max(begin, after)
+        return end
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+        out: list[InputPartition] = []
+        drain = self.options.mode == "drain"
+        for key, after in end.items():
+            address, _, queue = key.partition("/")
+            server = parse_servers(address)[0]
+            first = start.get(key, after)
+            out += split(server, queue, first, after - 1, self.options.partitions, drain)
+        return out
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, MqdPartition)
+        return read_partition(partition, self.options.timeout)
+
+    def commit(self, end: dict[str, int]) -> None:
+        if self.options.mode != "drain":
+            return
+        for key, after in end.items():
+            address, _, queue = key.partition("/")
+            server = parse_servers(address)[0]
+            with closing(Connection(server, self.options.timeout)) as conn:
+                conn.remove_through(queue, after - 1)
+
+
+@dataclass
+class Written(WriterCommitMessage):
+    stored: int
+    not_stored: int
+
+
+def _write_options(options: Mapping[str, str], schema: StructType, overwrite: bool) -> opts.Options:
+    """Checks the options and the columns before any task runs."""
+    if overwrite:
+        raise opts.OptionError(
+            'mqd write: save mode "overwrite" is not supported: messages are appended to a '
+            'queue; use .mode("append")'
+        )
+    fields = {f.name.lower(): f.dataType for f in schema.fields}
+    parsed = opts.parse(options, need_queue="queue" not in fields)
+    if len(parsed.queues) > 1 or (parsed.queue and opts.GLOB_CHARS & set(parsed.queue)):
+        raise opts.OptionError("mqd option queue: a write needs one queue name, not a list or glob")
+    body = fields.get("body")
+    if not isinstance(body, StringType | BinaryType):
+        raise opts.OptionError(
+            f"mqd write: needs a `body` column of string or binary, got "
+            f"{body.simpleString() if body else 'none'} (columns: {', '.join(fields)})"
+        )
+    for name in ("flags", "exptime"):
+        if name in fields and not isinstance(fields[name], IntegralType):
+            raise opts.OptionError(f"mqd write: column `{name}` must be an integer")
+    if "queue" in fields and not isinstance(fields["queue"], StringType):
+        raise opts.OptionError("mqd write: column `queue` must be a string")
+    return parsed
+
+
+class MqdWriter(DataSourceArrowWriter):
+    """Each task writes its rows, in order, over one pipelined connection.
+
+    A retried task writes its rows again: at-least-once, unless the queue is
+    `unique` or the `command` option is `add`, which store a body only once.
+    """
+
+    def __init__(self, options: opts.Options, schema: StructType) -> None:
+        self.options = options
+        self.text = isinstance(
+            next(f.dataType for f in schema.fields if f.name.lower() == "body"), StringType
+        )
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> Written:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        index = context.partitionId() if context else 0
+        server = self.options.servers[index % len(self.options.servers)]
+        with closing(Connection(server, self.options.timeout)) as conn:
+            result = conn.store(self._rows(iterator), self.options.command)
+        return Written(result.stored, result.not_stored)
+
+    def _rows(self, batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[str, bytes, int, int]]:
+        default_flags = self.options.flags
+        if default_flags is None:
+            default_flags = FLAG_TEXT if self.text else 0
+        for batch in batches:
+            columns = {name.lower(): batch.column(i) for i, name in enumerate(batch.schema.names)}
+            n = batch.num_rows
+            bodies = columns["body"].to_pylist()
+            queues = columns["queue"].to_pylist() if "queue" in columns else [None] * n
+            flags = columns["flags"].to_pylist() if "flags" in columns else [None] * n
+            exptimes = columns["exptime"].to_pylist() if "exptime" in columns else [None] * n
+            for body, queue, flag, exptime in zip(bodies, queues, flags, exptimes, strict=True):
+                queue = queue or self.options.queue
+                if body is None or queue is None:
+                    raise ValueError("mqd write: a row has no body or no queue")
+                yield (
+                    queue,
+                    body.encode() if isinstance(body, str) else body,
+                    default_flags if flag is None else flag,
+                    self.options.exptime if exptime is None else exptime,
+                )
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        """Nothing to do: rows are in their queues as soon as each task stored them."""
+
+
+class MqdStreamWriter(DataSourceStreamArrowWriter):
+    """The streaming sink: each micro-batch's tasks write like MqdWriter's."""
+
+    def __init__(self, options: opts.Options, schema: StructType) -> None:
+        self.batch = MqdWriter(options, schema)
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> Written:
+        return self.batch.write(iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Nothing to do: rows are in their queues as soon as each task stored them."""

@@ -1,0 +1,253 @@
+"""The "mqd" data source on a real local Spark session against real daemons."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import mqd_spark
+import pytest
+from pyspark import TaskContext, cloudpickle
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.functions import col, concat_ws, spark_partition_id, udf
+from pyspark.sql.streaming.query import StreamingQuery
+from pyspark.sql.types import BinaryType
+from spark_helpers import fill, items, servers, take_all
+
+from mqd.testing.daemon import Daemon
+
+pytest_plugins = ("spark_helpers",)
+
+
+def read(spark: SparkSession, daemon: Daemon | str, queue: str, **options: str) -> DataFrame:
+    reader = spark.read.format("mqd").option(
+        "servers", daemon if isinstance(daemon, str) else servers(daemon)
+    )
+    for key, value in {"queue": queue, **options}.items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def bodies(n: int, prefix: str = "m") -> list[bytes]:
+    return [f"{prefix}{i:05d}".encode() for i in range(n)]
+
+
+def test_peek_twice_gives_the_same_rows(spark: SparkSession, mqd: Daemon, q: str) -> None:
+    fill(mqd, q, bodies(50))
+    first = read(spark, mqd, q, partitions="3").collect()
+    second = read(spark, mqd, q, partitions="3").collect()
+    assert first == second
+    assert [r.body for r in sorted(first, key=lambda r: r.id)] == bodies(50)
+    assert {r.queue for r in first} == {q} and len({r.id for r in first}) == 50
+    assert items(mqd, q) == 50
+
+
+def test_drain_removes_exactly_what_it_read(spark: SparkSession, mqd: Daemon, q: str) -> None:
+    fill(mqd, q, bodies(40))
+    rows = read(spark, mqd, q, mode="drain", limit="25", partitions="2").collect()
+    mqd_spark.wait_for_commits(spark)
+    assert sorted(r.body for r in rows) == bodies(40)[:25]
+    assert take_all(mqd, q) == bodies(40)[25:]
+
+
+def test_write_keeps_order_within_each_partition(spark: SparkSession, mqd: Daemon, q: str) -> None:
+    df = spark.range(0, 400, 1, 4).select(
+        concat_ws(":", spark_partition_id(), col("id")).alias("body")
+    )
+    df.write.format("mqd").option("servers", servers(mqd)).option("queue", q).mode("append").save()
+    got = [b.decode().split(":") for b in take_all(mqd, q)]
+    assert len(got) == 400
+    assert sorted(int(n) for _, n in got) == list(range(400))
+    for part in {p for p, _ in got}:
+        seq = [int(n) for p, n in got if p == part]
+        assert seq == sorted(seq)
+
+
+def test_write_flags_exptime_and_queue_columns(
+    spark: SparkSession, memory_mqd: Daemon, q: str
+) -> None:
+    df = spark.createDataFrame(
+        [(b"a", 7, 0, q + "x"), (b"b", 9, 0, q + "y")],
+        "body binary, flags int, exptime int, queue string",
+    )
+    df.write.format("mqd").option("servers", servers(memory_mqd)).mode("append").save()
+    rows = read(spark, memory_mqd, f"{q}x,{q}y").collect()
+    assert sorted((r.queue, r.flags, r.body) for r in rows) == [
+        (q + "x", 7, b"a"),
+        (q + "y", 9, b"b"),
+    ]
+
+
+def test_add_makes_a_retried_write_idempotent(
+    spark: SparkSession, memory_mqd: Daemon, q: str
+) -> None:
+    df = spark.createDataFrame([(f"r{i}",) for i in range(20)], "body string")
+    for _ in range(2):
+        df.write.format("mqd").option("servers", servers(memory_mqd)).option("queue", q).option(
+            "command", "add"
+        ).mode("append").save()
+    assert sorted(take_all(memory_mqd, q)) == sorted(f"r{i}".encode() for i in range(20))
+
+
+def _fails_once(body: bytes) -> bytes:
+    """Raises in partition 1 on its first attempt only (the retry succeeds)."""
+    context = TaskContext.get()
+    if context is not None and context.partitionId() == 1 and context.attemptNumber() == 0:
+        raise RuntimeError("injected task failure")
+    return body
+
+
+def _always_fails(body: bytes) -> bytes:
+    context = TaskContext.get()
+    if context is not None and context.partitionId() == 0:
+        raise RuntimeError("injected job failure")
+    return body
+
+
+# Spark's workers cannot import this test module: ship the functions by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
+fails_once = udf(_fails_once, BinaryType(), useArrow=False)
+always_fails = udf(_always_fails, BinaryType(), useArrow=False)
+
+
+def test_drain_with_a_retried_task_loses_and_duplicates_nothing(
+    spark: SparkSession, mqd: Daemon, q: str
+) -> None:
+    fill(mqd, q, bodies(60))
+    df = read(spark, mqd, q, mode="drain", partitions="3")
+    out = [r.body for r in df.select(fails_once("body").alias("body")).collect()]
+    mqd_spark.wait_for_commits(spark)
+    assert sorted(out) == bodies(60)
+    assert items(mqd, q) == 0
+
+
+def test_drain_of_a_failed_job_removes_nothing(spark: SparkSession, mqd: Daemon, q: str) -> None:
+    fill(mqd, q, bodies(30))
+    df = read(spark, mqd, q, mode="drain", partitions="3")
+    with pytest.raises(Exception, match="injected job failure"):
+        df.select(always_fails("body")).collect()
+    mqd_spark.wait_for_commits(spark)
+    assert items(mqd, q) == 30
+    rerun = read(spark, mqd, q, mode="drain", partitions="3").collect()
+    mqd_spark.wait_for_commits(spark)
+    assert sorted(r.body for r in rerun) == bodies(30)
+    assert items(mqd, q) == 0
+
+
+def test_drain_under_a_row_limit_removes_nothing(
+    spark: SparkSession, memory_mqd: Daemon, q: str
+) -> None:
+    fill(memory_mqd, q, bodies(10))
+    assert len(read(spark, memory_mqd, q, mode="drain").limit(3).collect()) == 3
+    mqd_spark.wait_for_commits(spark)
+    assert items(memory_mqd, q) == 10
+
+
+def test_several_queues_by_glob_on_several_servers(
+    spark: SparkSession, mqd: Daemon, memory_mqd: Daemon, q: str
+) -> None:
+    fill(mqd, q + ".a", [b"1", b"2"])
+    fill(memory_mqd, q + ".b", [b"3"])
+    fill(memory_mqd, q + "_other", [b"no"])
+    rows = read(spark, servers(mqd, memory_mqd), q + ".*").collect()
+    assert sorted((r.queue, r.body) for r in rows) == [
+        (q + ".a", b"1"),
+        (q + ".a", b"2"),
+        (q + ".b", b"3"),
+    ]
+
+
+def test_stream_restarted_from_its_checkpoint_is_exactly_once(
+    spark: SparkSession, mqd: Daemon, q: str, tmp_path: Path
+) -> None:
+    fill(mqd, q, bodies(120))
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+
+    def start() -> StreamingQuery:
+        stream = (
+            spark.readStream.format("mqd")
+            .option("servers", servers(mqd))
+            .option("queue", q)
+            .option("max_messages", "20")
+            .load()
+        )
+        return (
+            stream.writeStream.format("parquet")
+            .option("path", str(out))
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(processingTime="0 seconds")
+            .start()
+        )
+
+    query = start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # stop it mid-stream, after two batches
+        assert query.exception() is None
+        if sum(1 for p in query.recentProgress if p["numInputRows"] > 0) >= 2:
+            break
+        time.sleep(0.1)
+    query.stop()
+    assert spark.read.parquet(str(out)).count() < 120
+    fill(mqd, q, bodies(30, "late"))
+    query = start()
+    query.processAllAvailable()
+    query.stop()
+    got = sorted(r.body for r in spark.read.parquet(str(out)).collect())
+    assert got == sorted(bodies(120) + bodies(30, "late"))
+    # Spark commits a batch when it plans the next: only the last batch may remain.
+    assert items(mqd, q) <= 20
+
+
+def test_stream_sink_moves_rows_between_queues(
+    spark: SparkSession, memory_mqd: Daemon, q: str, tmp_path: Path
+) -> None:
+    fill(memory_mqd, q, bodies(50))
+    stream = (
+        spark.readStream.format("mqd")
+        .option("servers", servers(memory_mqd))
+        .option("queue", q)
+        .load()
+    )
+    query = (
+        stream.select("body")
+        .writeStream.format("mqd")
+        .option("servers", servers(memory_mqd))
+        .option("queue", q + "_out")
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .start()
+    )
+    query.processAllAvailable()
+    query.stop()
+    assert sorted(take_all(memory_mqd, q + "_out")) == bodies(50)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"queue": "x", "mode": "empty"}, "mqd option mode='empty': must be one of peek, drain"),
+        ({}, "mqd option queue is missing"),
+        ({"queue": "x", "servers": "nohost"}, "mqd option servers: bad address 'nohost'"),
+        ({"queue": "x", "limit": "-3"}, "mqd option limit='-3': must be a whole number >= 1"),
+    ],
+)
+def test_bad_option_fails_at_load_naming_it(
+    spark: SparkSession, options: dict[str, str], message: str
+) -> None:
+    reader = spark.read.format("mqd")
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    with pytest.raises(Exception, match=message.replace("(", r"\(")) as caught:
+        reader.load()
+    assert "at org.apache" not in str(caught.value)
+
+
+def test_write_without_a_body_column_fails_at_save(
+    spark: SparkSession, memory_mqd: Daemon, q: str
+) -> None:
+    df = spark.createDataFrame([(1,)], "n int")
+    with pytest.raises(Exception, match="needs a `body` column of string or binary"):
+        df.write.format("mqd").option("servers", servers(memory_mqd)).option("queue", q).mode(
+            "append"
+        ).save()
+    assert items(memory_mqd, q) == 0
