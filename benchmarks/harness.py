@@ -298,6 +298,25 @@ def memcache_stats(port: int) -> dict[str, str]:
     return out
 
 
+def median_run(results: list[LoadResult]) -> LoadResult:
+    """The run of median throughput: one lucky or unlucky run does not make a ratio."""
+    return sorted(results, key=lambda r: r.ops_per_s)[len(results) // 2]
+
+
+def ratio_row(label: str, reference: LoadResult, measured: LoadResult) -> list[str]:
+    """A table row: ops/s, p50 and p99 of the reference, then of the measured, then their ratio."""
+    return [
+        label,
+        fmt_rate(reference.ops_per_s),
+        fmt_ms(reference.p50),
+        fmt_ms(reference.p99),
+        fmt_rate(measured.ops_per_s),
+        fmt_ms(measured.p50),
+        fmt_ms(measured.p99),
+        fmt_ratio(measured.ops_per_s, reference.ops_per_s),
+    ]
+
+
 def fmt_rate(x: float) -> str:
     return f"{x:,.0f}"
 

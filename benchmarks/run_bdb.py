@@ -47,6 +47,7 @@ from harness import (
     fmt_ms,
     fmt_rate,
     fmt_ratio,
+    median_run,
     memcache_stats,
     mqd,
     mqd_serve_flags,
@@ -162,14 +163,10 @@ def measure(system: System, o: Options) -> Row:
     return Row(system, enq, deq)
 
 
-def _median(results: list[LoadResult]) -> LoadResult:
-    return sorted(results, key=lambda r: r.ops_per_s)[len(results) // 2]
-
-
 def _median_row(runs: list[Row]) -> Row:
     """Each direction's median run (enqueue and dequeue separately)."""
-    enq = _median([r.enqueue for r in runs])
-    deq = _median([r.dequeue for r in runs])
+    enq = median_run([r.enqueue for r in runs])
+    deq = median_run([r.dequeue for r in runs])
     return Row(runs[0].system, enq, deq)
 
 
@@ -269,7 +266,7 @@ def depth_test(o: Options) -> None:
             console.print(f"  deep queue:              {deeps[-1].summary()}")
             shallows.append(checked_load(srv, beside))
             console.print(f"  empty queue beside it:   {shallows[-1].summary()}")
-        deep, shallow = _median(deeps), _median(shallows)
+        deep, shallow = median_run(deeps), median_run(shallows)
         rss_deep = srv.rss()
         disk = _dir_bytes(srv.dir / "data")
 

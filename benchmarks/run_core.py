@@ -35,12 +35,13 @@ from harness import (
     find_mqd,
     fmt_ms,
     fmt_rate,
-    fmt_ratio,
+    median_run,
     memcache_stats,
     memcached,
     mqd,
     mqd_serve_flags,
     print_table,
+    ratio_row,
 )
 from loadgen import LoadResult, LoadSpec
 
@@ -75,10 +76,6 @@ def _spec(server: Server, s: Settings, conns: int, depth: int, queue: str) -> Lo
     )
 
 
-def _median(results: list[LoadResult]) -> LoadResult:
-    return sorted(results, key=lambda r: r.ops_per_s)[len(results) // 2]
-
-
 def throughput(mc: Server, mq: Server, s: Settings) -> None:
     """Section 1: the memcached/mqd comparison table.
 
@@ -103,25 +100,14 @@ def throughput(mc: Server, mq: Server, s: Settings) -> None:
             for _ in range(s.repeat):
                 for name, spec in specs.items():
                     runs[name].append(checked_load(servers[name], spec))
-            a, b = _median(runs["memcached"]), _median(runs["mqd"])
+            a, b = median_run(runs["memcached"]), median_run(runs["mqd"])
             for name, res in (("memcached", a), ("mqd", b)):
                 spread = ", ".join(fmt_rate(r.ops_per_s) for r in runs[name])
                 console.print(
                     f"  {conns} x {depth} {name}: runs {spread} ops/s; median's p50 "
                     f"{fmt_ms(res.p50)} ms p99 {fmt_ms(res.p99)} ms, {res.hits:,} messages out"
                 )
-            rows.append(
-                [
-                    f"{conns} x {depth}",
-                    fmt_rate(a.ops_per_s),
-                    fmt_ms(a.p50),
-                    fmt_ms(a.p99),
-                    fmt_rate(b.ops_per_s),
-                    fmt_ms(b.p50),
-                    fmt_ms(b.p99),
-                    fmt_ratio(b.ops_per_s, a.ops_per_s),
-                ]
-            )
+            rows.append(ratio_row(f"{conns} x {depth}", a, b))
     print_table(
         "enqueue+dequeue (set+get pairs; ops/s counts each set and each get; "
         "latency = one batch round trip, ms)",

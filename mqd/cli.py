@@ -6,7 +6,7 @@ import logging
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from click.core import ParameterSource
@@ -16,6 +16,10 @@ from mqd import backend as backends
 from mqd import config as configuration
 from mqd.errors import MqdError
 from mqd.protocol import QUEUE_STATS, name_bytes, queue_name
+from mqd.stats import queue_stat
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
 
 config_option = click.option(
     "--config",
@@ -169,6 +173,8 @@ def check_config(config_path: Path | None) -> None:
         click.echo(f"TLS, clients {'need' if cfg.tls_ca_file else 'need no'} certificate")
     if auth is not None:
         click.echo(f"clients log in with a user from {cfg.auth_users_file}")
+    if cfg.metrics_port:
+        click.echo(f"metrics http://{cfg.metrics_listen}:{cfg.metrics_port}/metrics")
     for pattern, values in cfg.queues:
         settings = ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in values.items())
         click.echo(f'queues."{pattern}": {settings}')
@@ -196,27 +202,82 @@ def list_backends() -> None:
 @click.option(
     "--port", type=click.IntRange(0, 65535), default=22133, show_default=True, help="Daemon port."
 )
-def stats(host: str, port: int) -> None:
+@click.option("--watch", is_flag=True, help="Refresh the tables until Ctrl-C (or --count).")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    help="Seconds between refreshes with --watch.",
+)
+@click.option(
+    "--count",
+    type=click.IntRange(min=1),
+    help="With --watch: stop after this many refreshes.  [default: never]",
+)
+def stats(host: str, port: int, watch: bool, interval: float, count: int | None) -> None:
     """Show a running daemon's counters and queues as tables."""
     from pymemcache.client.base import Client
     from rich.console import Console
-    from rich.table import Table
+
+    console = Console()
+    client = Client((host, port), connect_timeout=5, timeout=5)  # connects on first use
+
+    def read() -> dict[str, str]:
+        try:
+            return {_text(k): _text(v) for k, v in client.stats().items()}
+        except (OSError, Exception) as error:
+            raise click.ClickException(f"cannot read stats from {host}:{port}: {error}") from None
 
     try:
-        client = Client((host, port), connect_timeout=5, timeout=5)
-        raw = client.stats()
+        if not watch:
+            console.print(_stats_tables(read(), f"mqd at {host}:{port}"))
+            return
+        _watch(console, read, f"mqd at {host}:{port}", interval, count)
+    except KeyboardInterrupt:
+        pass
+    finally:
         client.close()
-    except (OSError, Exception) as error:
-        raise click.ClickException(f"cannot read stats from {host}:{port}: {error}") from None
-    values = {_text(k): _text(v) for k, v in raw.items()}
-    general = Table("stat", "value", title=f"mqd at {host}:{port}")
+
+
+def _watch(console: Any, read: Any, title: str, interval: float, count: int | None) -> None:
+    """Redraw the tables every `interval` s: in place on a terminal, one after another else."""
+    import itertools
+    import time
+
+    from rich.live import Live
+
+    def frame(n: int) -> RenderableType:
+        return _stats_tables(read(), f"{title}, {time.strftime('%H:%M:%S')} (refresh {n})")
+
+    refreshes = range(1, count + 1) if count else itertools.count(1)
+    if not console.is_terminal:  # a pipe or a file: every refresh, in order
+        for n in refreshes:
+            if n > 1:
+                time.sleep(interval)
+            console.print(frame(n))
+        return
+    with Live(console=console, auto_refresh=False) as live:
+        for n in refreshes:
+            if n > 1:
+                time.sleep(interval)
+            live.update(frame(n), refresh=True)
+
+
+def _stats_tables(values: dict[str, str], title: str) -> RenderableType:
+    """The general counters and the per-queue table of one `stats` reply."""
+    from rich.console import Group
+    from rich.table import Table
+
+    general = Table("stat", "value", title=title)
     queues: dict[str, dict[str, str]] = {}
     for key, value in values.items():
-        field = _queue_field(key)
-        if field is None:
+        per_queue_stat = queue_stat(key)
+        if per_queue_stat is None:
             general.add_row(key, value)
         else:
-            queues.setdefault(key[len("queue_") : -len(field) - 1], {})[field] = value
+            queue, stat = per_queue_stat
+            queues.setdefault(queue, {})[stat] = value
     per_queue = Table(title="queues")
     # Names are data: show them whole, on one line, so they can be copied.
     longest = max((len(name) for name in queues), default=5)
@@ -225,15 +286,7 @@ def stats(host: str, port: int) -> None:
         per_queue.add_column(name, justify="right")
     for name in sorted(queues):
         per_queue.add_row(name, *(queues[name].get(f, "") for f in QUEUE_STATS))
-    console = Console()
-    console.print(general)
-    console.print(per_queue)
-
-
-def _queue_field(key: str) -> str | None:
-    if not key.startswith("queue_"):
-        return None
-    return next((f for f in QUEUE_STATS if key.endswith("_" + f)), None)
+    return Group(general, per_queue)
 
 
 def _text(value: object) -> str:

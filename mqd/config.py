@@ -70,6 +70,9 @@ class Config:
     tls_ca_file: Path | None = None
     # [server.auth]: clients must log in first, with a user:password from this file
     auth_users_file: Path | None = None
+    # [metrics]: Prometheus at http://<metrics_listen>:<metrics_port>/metrics; port 0: off
+    metrics_listen: str = "127.0.0.1"
+    metrics_port: int = 0
     # [storage]
     backend: str = "bdb"
     data_dir: Path = Path("data")
@@ -228,6 +231,7 @@ _STORAGE_KEYS: dict[str, str] = {
     "reclaim_interval": "positive_number",
     "poll_interval_ms": "positive",
 }
+_METRICS_KEYS: dict[str, str] = {"listen": "string", "port": "port"}
 _QUEUE_KEYS: dict[str, str] = {
     "max_items": "count",
     "max_bytes": "count",
@@ -299,7 +303,8 @@ def parse(data: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
     server = _table(top, "server")
     storage = _table(top, "storage")
     queues = _table(top, "queues")
-    top.leftovers(["server", "storage", "queues"])
+    metrics = _table(top, "metrics")
+    top.leftovers(["server", "storage", "queues", "metrics"])
 
     server_check = TableReader(path, server, "server.")
     tls = _read(TableReader(path, _table(server_check, "tls"), "server.tls."), _TLS_KEYS)
@@ -313,6 +318,8 @@ def parse(data: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
         fields.update({f"tls_{key}": value for key, value in tls.items()})
     if "users_file" in auth:
         fields["auth_users_file"] = auth["users_file"]
+    for key, value in _read(TableReader(path, metrics, "metrics."), _METRICS_KEYS).items():
+        fields[f"metrics_{key}"] = value
     storage_check = TableReader(path, storage, "storage.")
     # Tables are backends' options, validated by the backend chosen (which
     # --backend may change after the file is read).

@@ -243,6 +243,8 @@ class Connection(asyncio.Protocol):
     async def _execute(self, command: protocol.Command) -> bytes | None:
         """Run one command: its reply, or None when it has none (noreply)."""
         kind = type(command)
+        metrics = self.server.metrics
+        started = time.perf_counter() if metrics is not None else 0.0
         try:
             # The two commands that carry the load skip the dispatch table.
             if kind is Store:
@@ -263,12 +265,19 @@ class Connection(asyncio.Protocol):
             self.server.storage_failed(
                 "storage error in %s: %s", self.server.config.data_dir, error
             )
+            if metrics is not None:
+                metrics.failed(command, error)
             return None if getattr(command, "noreply", False) else protocol.error_line(error)
         except ProtocolError as error:
             return None if getattr(command, "noreply", False) else protocol.error_line(error)
-        except Exception:
+        except Exception as error:
+            if metrics is not None:
+                metrics.failed(command, error)
             log.exception("command failed: %r", command)
             return protocol.error_line(ServerError("internal error"))
+        finally:
+            if metrics is not None:
+                metrics.observe(command, started)
 
     async def _run_group(self, first: protocol.Command) -> None:
         """Start `first` and the sets and plain gets right behind it together; reply in order.

@@ -4,7 +4,8 @@ One event loop, one thread; each client is a `mqd.connection.Connection`.
 At start the descriptor limit is raised and max_connections fitted to it.
 Signals: TERM/INT stop gracefully (a second one forces the exit), HUP reloads
 per-queue settings and the users file. With NOTIFY_SOCKET set, systemd is
-told READY=1 and STOPPING=1.
+told READY=1 and STOPPING=1, and pinged with WATCHDOG=1 when WatchdogSec= is set.
+With `[metrics] port` set, Prometheus metrics are served (mqd.metrics).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import time
 from collections.abc import Awaitable, Callable
 
@@ -24,6 +24,8 @@ from mqd.config import Config
 from mqd.connection import Connection
 from mqd.errors import ConfigError, StorageError
 from mqd.listener import Listener, Throttled, descriptors_in_use, raise_descriptor_limit
+from mqd.metrics import Metrics
+from mqd.systemd import notify, watchdog, watchdog_interval
 
 __all__ = ["Connection", "Server", "notify", "run"]
 
@@ -60,6 +62,9 @@ class Server:
         self._signals = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self.bound: tuple[str, int] | None = None
+        self.metrics: Metrics | None = None
+        if config.metrics_port:
+            self.metrics = Metrics(config.metrics_listen, config.metrics_port)
 
     def admit(self, connection: Connection) -> bool:
         if len(self.connections) >= self.max_connections:
@@ -89,6 +94,8 @@ class Server:
         self._stop = asyncio.Event()
         tls = security.server_context(self.config)
         limit = raise_descriptor_limit()
+        if self.metrics is not None:  # first: a port in use fails before storage opens
+            self.metrics.start(self.loop, self.broker.stats)
         try:
             await self.broker.start()
         except (StorageError, OSError) as error:
@@ -115,12 +122,17 @@ class Server:
             self.broker.backend.name,
         )
         notify("READY=1")
+        interval = watchdog_interval()
+        pinger = self.loop.create_task(watchdog(interval)) if interval else None
         try:
             await self._stop.wait()
         finally:
             notify("STOPPING=1")
-            if reaper is not None:
-                reaper.cancel()
+            for task in (reaper, pinger):
+                if task is not None:
+                    task.cancel()
+            if self.metrics is not None:
+                await asyncio.to_thread(self.metrics.stop)
             listener.close()
             await self._drain()
             await self.broker.stop()
@@ -210,25 +222,6 @@ class Server:
                 elif slow and started and started < now - slow and not connection.reading_paused:
                     self._slow("closing a connection: a command took over %g s to arrive", slow)
                     connection.close()
-
-
-def notify(state: str) -> None:
-    """Tell systemd about our state, if it is listening (Type=notify).
-
-    The protocol is one datagram on a Unix socket; a dependency for that would
-    be larger than this function.
-    """
-    path = os.environ.get("NOTIFY_SOCKET")
-    if not path:
-        return
-    if path.startswith("@"):  # abstract namespace
-        path = "\0" + path[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.connect(path)
-            sock.sendall(state.encode())
-    except OSError as error:
-        log.warning("could not notify systemd (%s): %s", state, error)
 
 
 def run(config: Config, backend: Backend, reload: Callable[[], Config] | None = None) -> None:

@@ -64,6 +64,14 @@ def queues(sizes: dict[str, QueueSize], counts: Callable[[str], tuple[int, int, 
     return lines
 
 
+def queue_stat(name: str) -> tuple[str, str] | None:
+    """(queue, stat) of a `queue_<name>_<stat>` line's name; None for a general one."""
+    if not name.startswith("queue_"):
+        return None
+    stat = next((s for s in QUEUE_STATS if name.endswith("_" + s)), None)
+    return None if stat is None else (name[len("queue_") : -len(stat) - 1], stat)
+
+
 def settings(config: Config, backend: str) -> Figures:
     """memcached's `stats settings` names, for what mqd has, then mqd's own."""
     return [
