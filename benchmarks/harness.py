@@ -1,5 +1,6 @@
 """What the benchmark scripts share: servers they start and stop, free loopback
-ports, a process's resident memory, a daemon's `stats`, and result tables.
+ports, a process's resident memory, a daemon's `stats`, result tables, and the
+checkouts of mqd a run compares (`--against DIR`).
 
 Every server is started on 127.0.0.1 on a port the kernel just handed out,
 with its files in a temporary directory, and is stopped (TERM, then KILL)
@@ -8,6 +9,7 @@ when its `with` block ends, also on errors and Ctrl-C.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import random
@@ -19,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -103,6 +106,59 @@ def find_mqd(explicit: str | None = None) -> str:
     found = shutil.which("mqd")
     if not found:
         raise SystemExit("mqd not found: install the project (pip install -e .) or pass --mqd")
+    return found
+
+
+@dataclass(frozen=True)
+class Checkout:
+    """One mqd to measure: its executable and a label for the tables."""
+
+    label: str
+    exe: str
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def revision(directory: Path) -> str:
+    """The short commit of a checkout, with "+" if it has uncommitted changes."""
+    git = ["git", "-C", str(directory)]
+    rev = subprocess.run(
+        [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return (rev or directory.name) + ("+" if dirty else "")
+
+
+def add_checkout_options(p: argparse.ArgumentParser) -> None:
+    """--mqd and --against, shared by every script that starts mqd."""
+    p.add_argument("--mqd", default=None, help="mqd executable (default: beside this Python)")
+    p.add_argument(
+        "--against",
+        metavar="DIR",
+        action="append",
+        default=[],
+        help="also measure the mqd of another checkout (DIR/.venv/bin/mqd, as bin/setup "
+        "makes it), side by side in the same run; repeatable",
+    )
+
+
+def checkouts(args: argparse.Namespace) -> list[Checkout]:
+    """This checkout's mqd first, then each --against checkout's."""
+    this = revision(REPO) if args.mqd is None else Path(args.mqd).name
+    found = [Checkout(this, find_mqd(args.mqd))]
+    for d in args.against:
+        exe = Path(d).resolve() / ".venv" / "bin" / "mqd"
+        if not exe.exists():
+            raise SystemExit(f"--against {d}: no {exe}; run bin/setup in that checkout first")
+        found.append(Checkout(revision(Path(d).resolve()), str(exe)))
+    if len({c.label for c in found}) < len(found):  # the same commit twice: tell them apart
+        found = [Checkout(f"{c.label}#{i}", c.exe) for i, c in enumerate(found, 1)]
     return found
 
 
@@ -272,6 +328,19 @@ def mqd(
         files["mqd.toml"] = config
         argv += ["--config", "{dir}/mqd.toml"]
     return Server(name or f"mqd-{backend}", argv, files=files, base_dir=base_dir)
+
+
+def mqd_config(sync: str, interval_ms: int = 1000) -> str:
+    """TOML for a daemon whose every queue has `sync`."""
+    return f'[storage]\nsync_interval_ms = {interval_ms}\n\n[queues."*"]\nsync = "{sync}"\n'
+
+
+def redis(fsync: str, base_dir: str | None = None) -> Server:
+    """Redis with its append-only file on, fsync policy `fsync` (always, everysec, no)."""
+    argv = ["redis-server", "--bind", HOST, "--port", "{port}", "--dir", "{dir}"]
+    # No RDB snapshots: the append-only file is the durability under test.
+    argv += ["--save", "", "--appendonly", "yes", "--appendfsync", fsync]
+    return Server(f"redis-{fsync}", argv, base_dir=base_dir)
 
 
 def text_command(port: int, request: bytes, end: bytes, timeout: float = 30.0) -> bytes:
