@@ -80,11 +80,13 @@ class Options:
 
 @dataclass(frozen=True)
 class Figures:
-    """One measurement: total ops/s (sets plus gets) and latency in ms."""
+    """One measurement: total ops/s (sets plus gets), latency in ms, and how many
+    gets found a message per second (None where the driver cannot tell)."""
 
     ops_per_s: float
     p50: float
     p99: float
+    hits_per_s: float | None
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,14 @@ class Memtier:
                 )
             totals = json.loads(out.read_text())["ALL STATS"]["Totals"]
         pct = totals["Percentile Latencies"]
-        return Figures(float(totals["Ops/sec"]), float(pct["p50.00"]), float(pct["p99.00"]))
+        # Only the memcache protocol's gets count hits; an arbitrary --command does not.
+        hits = totals.get("Hits/sec") if wire == "memcache" else None
+        return Figures(
+            float(totals["Ops/sec"]),
+            float(pct["p50.00"]),
+            float(pct["p99.00"]),
+            None if hits is None else float(hits),
+        )
 
 
 class Loadgen:
@@ -168,7 +177,7 @@ class Loadgen:
             size=o.size,
         )
         res = checked_load(server, spec)
-        return Figures(res.ops_per_s, res.p50, res.p99)
+        return Figures(res.ops_per_s, res.p50, res.p99, res.hits / res.elapsed)
 
 
 Driver = Memtier | Loadgen
@@ -231,7 +240,7 @@ def measure(system: System, driver: Driver, o: Options) -> dict[int, Figures]:
     for p, f in figures.items():
         console.print(
             f"  {system.name}, pipeline {p}: {fmt_rate(f.ops_per_s)} ops/s  "
-            f"p50 {fmt_ms(f.p50)} ms  p99 {fmt_ms(f.p99)} ms"
+            f"p50 {fmt_ms(f.p50)} ms  p99 {fmt_ms(f.p99)} ms  gets hit {_hit_share(f)}"
         )
     return figures
 
@@ -256,19 +265,26 @@ def results_table(
         row = [s.name, s.note]
         for p in o.pipelines:
             f = results[s.name][p]
-            row += [fmt_rate(f.ops_per_s), fmt_ms(f.p50), fmt_ms(f.p99)]
+            row += [fmt_rate(f.ops_per_s), _hit_share(f), fmt_ms(f.p50), fmt_ms(f.p99)]
             row.append(fmt_ratio(f.ops_per_s, ref[p].ops_per_s) if ref else "-")
         rows.append(row)
     columns = ["system", "durability"]
     for p in o.pipelines:
-        columns += [f"pipeline {p} ops/s", "p50", "p99", "/memcached"]
+        columns += [f"pipeline {p} ops/s", "hits", "p50", "p99", "/memcached"]
     print_table(
         f"{o.threads * o.clients} connections, 50/50 set/get on one queue, {o.size}-byte values, "
         f"{o.test_time:g} s per figure, median of {o.repeat}; driver: {driver.name}; "
-        f"latency {driver.latency}, ms",
+        f"latency {driver.latency}, ms; hits: share of gets that found a message",
         columns,
         rows,
     )
+
+
+def _hit_share(f: Figures) -> str:
+    """Gets that found a message, as a share of all gets (half the ops)."""
+    if f.hits_per_s is None or not f.ops_per_s:
+        return "-"
+    return f"{f.hits_per_s / (f.ops_per_s / 2):.0%}"
 
 
 # (what, numerator, denominator, target) for the ratio table; names without the checkout.
