@@ -32,7 +32,7 @@ from rich.table import Table
 
 HOST = "127.0.0.1"
 # Wide enough for the result tables also when output goes to a file or CI log.
-console = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 160)
+console = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 200)
 
 
 def free_port() -> int:
