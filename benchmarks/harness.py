@@ -111,10 +111,11 @@ def find_mqd(explicit: str | None = None) -> str:
 
 @dataclass(frozen=True)
 class Checkout:
-    """One mqd to measure: its executable and a label for the tables."""
+    """One mqd to measure: its executable, a label for the tables, its environment."""
 
     label: str
     exe: str
+    env: tuple[tuple[str, str], ...] = ()
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -146,19 +147,27 @@ def add_checkout_options(p: argparse.ArgumentParser) -> None:
         help="also measure the mqd of another checkout (DIR/.venv/bin/mqd, as bin/setup "
         "makes it), side by side in the same run; repeatable",
     )
+    p.add_argument(
+        "--pure",
+        action="store_true",
+        help="also measure this checkout's mqd on its pure-Python path (MQD_PURE_PYTHON=1), "
+        "against its compiled modules (mqd/native.py)",
+    )
 
 
 def checkouts(args: argparse.Namespace) -> list[Checkout]:
     """This checkout's mqd first, then each --against checkout's."""
     this = revision(REPO) if args.mqd is None else Path(args.mqd).name
     found = [Checkout(this, find_mqd(args.mqd))]
+    if args.pure:
+        found.append(Checkout(f"{this}-pure", found[0].exe, (("MQD_PURE_PYTHON", "1"),)))
     for d in args.against:
         exe = Path(d).resolve() / ".venv" / "bin" / "mqd"
         if not exe.exists():
             raise SystemExit(f"--against {d}: no {exe}; run bin/setup in that checkout first")
         found.append(Checkout(revision(Path(d).resolve()), str(exe)))
     if len({c.label for c in found}) < len(found):  # the same commit twice: tell them apart
-        found = [Checkout(f"{c.label}#{i}", c.exe) for i, c in enumerate(found, 1)]
+        found = [Checkout(f"{c.label}#{i}", c.exe, c.env) for i, c in enumerate(found, 1)]
     return found
 
 
@@ -186,8 +195,10 @@ class Server:
         ready_timeout: float = 30.0,
         files: dict[str, str] | None = None,
         base_dir: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
+        self.env = {**os.environ, **env} if env else None
         self.port = free_port()
         # base_dir picks the disk: durability figures depend on it, so a
         # user can point it at the disk the real queues would live on.
@@ -212,6 +223,7 @@ class Server:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=self.dir,
+            env=self.env,
             start_new_session=True,  # a Ctrl-C on the terminal reaches us, not it
         )
         deadline = time.monotonic() + self.ready_timeout
@@ -308,6 +320,7 @@ def mqd(
     backend: str,
     *,
     exe: str | None = None,
+    env: dict[str, str] | None = None,
     loop: str | None = None,
     config: str | None = None,
     name: str | None = None,
@@ -327,7 +340,7 @@ def mqd(
     if config is not None:
         files["mqd.toml"] = config
         argv += ["--config", "{dir}/mqd.toml"]
-    return Server(name or f"mqd-{backend}", argv, files=files, base_dir=base_dir)
+    return Server(name or f"mqd-{backend}", argv, files=files, base_dir=base_dir, env=env)
 
 
 def mqd_config(sync: str, interval_ms: int = 1000) -> str:

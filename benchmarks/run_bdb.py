@@ -86,11 +86,12 @@ class System:
     note: str
 
 
-def _mqd(backend: str, sync: str, exe: str) -> Callable[[Options], Server]:
+def _mqd(backend: str, sync: str, c: Checkout) -> Callable[[Options], Server]:
     def start(o: Options) -> Server:
         return mqd(
             backend,
-            exe=exe,
+            exe=c.exe,
+            env=dict(c.env),
             loop=o.loop,
             config=mqd_config(sync),
             name=f"mqd-{backend}-{sync}",
@@ -130,7 +131,7 @@ def systems(wanted: set[str], mqds: list[Checkout]) -> list[System]:
         if name in wanted:
             for c in mqds:
                 label = f"{name} @{c.label}" if len(mqds) > 1 else name
-                out.append(System(label, "memcache", _mqd(backend, sync, c.exe), note))
+                out.append(System(label, "memcache", _mqd(backend, sync, c), note))
     return out + [s for s in OTHER_SYSTEMS if s.name in wanted]
 
 

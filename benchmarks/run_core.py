@@ -230,7 +230,7 @@ def memory(s: Settings) -> None:
     """Section 4: RSS growth per queued message, on a fresh daemon of each checkout."""
     rows = []
     for c in s.mqds:
-        with mqd("memory", exe=c.exe, loop=s.loop) as srv:
+        with mqd("memory", exe=c.exe, env=dict(c.env), loop=s.loop) as srv:
             memcache_stats(srv.port)  # one round trip first: lazy start-up work is done
             before = srv.rss()
             res = fill(srv, "mem", s.fill, s.size, max_seconds=600)
@@ -325,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     if only & {"throughput", "ceiling", "wake"}:
         with memcached(s.memcached_threads) as mc, contextlib.ExitStack() as stack:
             mqs = {
-                c.label: stack.enter_context(mqd("memory", exe=c.exe, loop=s.loop)) for c in s.mqds
+                c.label: stack.enter_context(mqd("memory", exe=c.exe, env=dict(c.env), loop=s.loop))
+                for c in s.mqds
             }
             if "throughput" in only:
                 throughput(mc, mqs, s)

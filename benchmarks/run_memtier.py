@@ -204,7 +204,15 @@ def find_memtier(explicit: str | None) -> str | None:
 def _mqd(backend: str, sync: str | None, c: Checkout, label: str) -> Callable[[Options], Server]:
     def start(o: Options) -> Server:
         config = mqd_config(sync) if sync else None
-        return mqd(backend, exe=c.exe, loop=o.loop, config=config, name=label, base_dir=o.base_dir)
+        return mqd(
+            backend,
+            exe=c.exe,
+            env=dict(c.env),
+            loop=o.loop,
+            config=config,
+            name=label,
+            base_dir=o.base_dir,
+        )
 
     return start
 
