@@ -96,6 +96,13 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time process `pid` (all its threads) has used so far."""
+    # The command name (field 2) may hold spaces; the fields after it do not.
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def find_mqd(explicit: str | None = None) -> str:
     """The mqd executable: `explicit`, else the one beside this Python, else PATH."""
     if explicit:
@@ -267,6 +274,9 @@ class Server:
 
     def rss(self) -> int:
         return rss_bytes(self.pid)
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.pid)
 
     def __enter__(self) -> Server:
         return self.start()

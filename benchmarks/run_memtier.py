@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from harness import (
@@ -80,13 +80,19 @@ class Options:
 
 @dataclass(frozen=True)
 class Figures:
-    """One measurement: total ops/s (sets plus gets), latency in ms, and how many
-    gets found a message per second (None where the driver cannot tell)."""
+    """One measurement: total ops/s (sets plus gets), latency in ms, how many
+    gets found a message per second (None where the driver cannot tell), and
+    the server's CPU time per op in microseconds (user + system, all threads).
+
+    CPU per op is the steadier figure on a shared machine: other programs
+    taking the cores lower the throughput but hardly change what each op costs.
+    """
 
     ops_per_s: float
     p50: float
     p99: float
     hits_per_s: float | None
+    cpu_us: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -244,11 +250,17 @@ def measure(system: System, driver: Driver, o: Options) -> dict[int, Figures]:
     with system.start(o) as srv:
         if o.warmup > 0:
             driver.measure(srv, system.wire, 1, o.warmup, o)
-        figures = {p: driver.measure(srv, system.wire, p, o.test_time, o) for p in o.pipelines}
+        figures = {}
+        for p in o.pipelines:
+            cpu = srv.cpu()
+            f = driver.measure(srv, system.wire, p, o.test_time, o)
+            ops = f.ops_per_s * o.test_time
+            figures[p] = replace(f, cpu_us=(srv.cpu() - cpu) / ops * 1e6 if ops else 0.0)
     for p, f in figures.items():
         console.print(
             f"  {system.name}, pipeline {p}: {fmt_rate(f.ops_per_s)} ops/s  "
-            f"p50 {fmt_ms(f.p50)} ms  p99 {fmt_ms(f.p99)} ms  gets hit {_hit_share(f)}"
+            f"p50 {fmt_ms(f.p50)} ms  p99 {fmt_ms(f.p99)} ms  gets hit {_hit_share(f)}  "
+            f"server CPU {f.cpu_us:.2f} us/op"
         )
     return figures
 
@@ -275,14 +287,16 @@ def results_table(
             f = results[s.name][p]
             row += [fmt_rate(f.ops_per_s), _hit_share(f), fmt_ms(f.p50), fmt_ms(f.p99)]
             row.append(fmt_ratio(f.ops_per_s, ref[p].ops_per_s) if ref else "-")
+            row.append(f"{f.cpu_us:.2f}")
         rows.append(row)
     columns = ["system", "durability"]
     for p in o.pipelines:
-        columns += [f"pipeline {p} ops/s", "hits", "p50", "p99", "/memcached"]
+        columns += [f"pipeline {p} ops/s", "hits", "p50", "p99", "/memcached", "CPU us/op"]
     print_table(
         f"{o.threads * o.clients} connections, 50/50 set/get on one queue, {o.size}-byte values, "
         f"{o.test_time:g} s per figure, median of {o.repeat}; driver: {driver.name}; "
-        f"latency {driver.latency}, ms; hits: share of gets that found a message",
+        f"latency {driver.latency}, ms; hits: share of gets that found a message; "
+        "CPU us/op: the server's CPU time (user + system) per op",
         columns,
         rows,
     )
@@ -319,17 +333,37 @@ def ratio_table(results: dict[str, dict[int, Figures]], mqds: list[Checkout], o:
             rows.append(
                 [label, *(fmt_ratio(a[p].ops_per_s, b[p].ops_per_s) for p in o.pipelines), target]
             )
+    ref = results.get(MEMCACHED)
+    if ref is not None:
+        for c in mqds:
+            mem = results.get(name(MEMORY, c))
+            if mem is not None:
+                rows.append(
+                    [
+                        f"CPU per op: mqd memory @{c.label} / memcached -t 2",
+                        *(fmt_ratio(mem[p].cpu_us, ref[p].cpu_us) for p in o.pipelines),
+                        "lower is better",
+                    ]
+                )
     for c in mqds[1:]:
         for base, *_ in MQD_SYSTEMS:
             a, b = results.get(name(base, mqds[0])), results.get(name(base, c))
-            if a is not None and b is not None:
-                rows.append(
-                    [
-                        f"{base}: @{mqds[0].label} / @{c.label}",
-                        *(fmt_ratio(a[p].ops_per_s, b[p].ops_per_s) for p in o.pipelines),
-                        "",
-                    ]
-                )
+            if a is None or b is None:
+                continue
+            rows.append(
+                [
+                    f"{base}: @{mqds[0].label} / @{c.label}",
+                    *(fmt_ratio(a[p].ops_per_s, b[p].ops_per_s) for p in o.pipelines),
+                    "",
+                ]
+            )
+            rows.append(
+                [
+                    f"{base} CPU per op: @{mqds[0].label} / @{c.label}",
+                    *(fmt_ratio(a[p].cpu_us, b[p].cpu_us) for p in o.pipelines),
+                    "lower is better",
+                ]
+            )
     print_table(
         "throughput ratios, same run",
         ["ratio", *(f"pipeline {p}" for p in o.pipelines), "target"],
