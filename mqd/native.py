@@ -24,10 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 # Modules of the `mqd` package to compile, without ".py": those on every
@@ -95,6 +92,11 @@ class BuildError(Exception):
 
 def build(force: bool = False) -> str:
     """Compile MODULES unless an up-to-date build is there; return what was done."""
+    # Imported here: every start of mqd imports this module, few of them build.
+    import shutil
+    import subprocess
+    import tempfile
+
     digest = source_digest()
     if not force and _manifest() == {"modules": list(MODULES), "sources": digest}:
         return f"up to date: {BUILD}"
