@@ -41,13 +41,14 @@ state = "pure Python (not activated)"
 compiled: tuple[str, ...] = ()
 
 
-def source_digest() -> str:
-    """A digest of every module of the package, in a stable order."""
+def source_digest(package: Path | None = None) -> str:
+    """A digest of every module of the package (or a copy of it), in a stable order."""
+    package = package or PACKAGE
     h = hashlib.sha256()
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if "_native" in path.parts:
+    for path in sorted(package.rglob("*.py")):
+        if "_native" in path.relative_to(package).parts:
             continue
-        h.update(str(path.relative_to(PACKAGE)).encode() + b"\0")
+        h.update(str(path.relative_to(package)).encode() + b"\0")
         h.update(path.read_bytes())
     return h.hexdigest()
 
@@ -97,15 +98,13 @@ def build(force: bool = False) -> str:
     import subprocess
     import tempfile
 
-    digest = source_digest()
-    if not force and _manifest() == {"modules": list(MODULES), "sources": digest}:
+    if not force and _manifest() == {"modules": list(MODULES), "sources": source_digest()}:
         return f"up to date: {BUILD}"
     try:
         import mypyc  # noqa: F401  (only checking it is there)
     except ImportError:
         raise BuildError("mypyc is needed to build; it comes with mypy: pip install mypy") from None
-    BUILD.parent.mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="build-", dir=BUILD.parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix="mqd-native-") as tmp:
         # mypyc writes its extensions next to the sources it compiles: compile
         # a copy, so the package directory itself never holds a compiled module.
         work = Path(tmp)
@@ -121,19 +120,22 @@ def build(force: bool = False) -> str:
         )
         if run.returncode != 0:
             raise BuildError(f"mypyc failed:\n{run.stdout[-4000:]}{run.stderr[-4000:]}")
-        out = work / "out"
-        (out / "mqd").mkdir(parents=True)
-        for so in (work / "mqd").glob("*.so"):
-            shutil.copy2(so, out / "mqd" / so.name)
         if list(work.glob("*.so")):
             # Several modules share a runtime library that mypyc puts at the
             # top level; keeping to one module per build avoids needing it.
             raise BuildError("build one module per package level (see MODULES)")
-        (out / MANIFEST).write_text(json.dumps({"modules": list(MODULES), "sources": digest}))
-        old = BUILD.with_name(BUILD.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if BUILD.exists():
-            BUILD.rename(old)
-        out.rename(BUILD)
-        shutil.rmtree(old, ignore_errors=True)
+        # The digest of the copy compiled, should the sources change meanwhile.
+        manifest = {"modules": list(MODULES), "sources": source_digest(work / "mqd")}
+        staging = BUILD.with_name(BUILD.name + ".new")
+        shutil.rmtree(staging, ignore_errors=True)
+        (staging / "mqd").mkdir(parents=True)
+        for so in (work / "mqd").glob("*.so"):
+            shutil.copy2(so, staging / "mqd" / so.name)
+        (staging / MANIFEST).write_text(json.dumps(manifest))
+    old = BUILD.with_name(BUILD.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if BUILD.exists():
+        BUILD.rename(old)
+    staging.rename(BUILD)
+    shutil.rmtree(old, ignore_errors=True)
     return f"built {', '.join(MODULES)} into {BUILD}"
