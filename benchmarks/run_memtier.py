@@ -67,7 +67,7 @@ QUEUE = "q1"  # what memtier's --key-prefix=q --key-minimum=1 --key-maximum=1 ma
 
 @dataclass
 class Options:
-    test_time: float
+    test_time: int
     warmup: float
     repeat: int
     threads: int
@@ -123,7 +123,8 @@ class Memtier:
         with tempfile.TemporaryDirectory(prefix="bench-memtier-") as tmp:
             out = Path(tmp) / "out.json"
             argv = [self.exe, "-s", HOST, "-p", str(server.port), "-t", str(o.threads)]
-            argv += ["-c", str(o.clients), f"--pipeline={pipeline}", f"--test-time={seconds:g}"]
+            # memtier takes whole seconds.
+            argv += ["-c", str(o.clients), f"--pipeline={pipeline}", f"--test-time={seconds:.0f}"]
             argv += ["--hide-histogram", "-d", str(o.size), f"--json-out-file={out}"]
             if wire == "memcache":
                 argv += ["-P", "memcache_text", "--ratio=1:1", "--key-prefix=q"]
@@ -135,8 +136,8 @@ class Memtier:
                     f"--command=LPUSH {QUEUE} __data__",
                     f"--command=RPOP {QUEUE}",
                 ]
-            # memtier's test time counts whole seconds; the margin covers connecting and
-            # a server that stops answering (memtier then waits, it does not fail).
+            # The margin covers connecting and a server that stops answering
+            # (memtier then waits, it does not fail).
             proc = subprocess.run(
                 argv, capture_output=True, text=True, timeout=seconds + 60, check=False, cwd=tmp
             )
@@ -161,7 +162,7 @@ class Loadgen:
     """The project's generator (benchmarks/loadgen.py) under the same load shapes."""
 
     latency = "per batch (at depth 16: the whole pipelined batch)"
-    name = "benchmarks/loadgen.py (memtier_benchmark not found)"
+    name = "benchmarks/loadgen.py"
 
     def __init__(self, processes: int) -> None:
         self.processes = processes
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     """Measure every system in both shapes and print the figures and the ratios."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="3 s per figure (a smoke check)")
-    p.add_argument("--test-time", type=float, default=None, help="seconds per figure (default 10)")
+    p.add_argument("--test-time", type=int, default=None, help="seconds per figure (default 10)")
     p.add_argument("--repeat", type=int, default=1, help="rounds over all systems, medians")
     p.add_argument("--threads", type=int, default=4, help="memtier -t (connections = t x c)")
     p.add_argument("--clients", type=int, default=4, help="memtier -c, per thread")
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     mqds = checkouts(a)
     o = Options(
-        test_time=a.test_time or (3.0 if a.quick else 10.0),
+        test_time=a.test_time or (3 if a.quick else 10),
         warmup=1.0,
         repeat=a.repeat,
         threads=a.threads,
