@@ -261,7 +261,14 @@ def parse_key(raw: bytes) -> Key | None:
         return None
     # Arguments spelled out: compiled by mypyc, Key(**fields) fails on the bool fields.
     return Key(
-        raw, queue, wait_ms, "open" in seen, "close" in seen, "abort" in seen, "peek" in seen, at
+        raw,
+        queue,
+        wait_ms=wait_ms,
+        open="open" in seen,
+        close="close" in seen,
+        abort="abort" in seen,
+        peek="peek" in seen,
+        at=at,
     )
 
 
