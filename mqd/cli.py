@@ -270,6 +270,9 @@ def build_native(force: bool) -> None:
     """Compile the hot modules with mypyc (bin/setup does this)."""
     from mqd import native
 
+    if native.forced_pure():
+        click.echo(f"{native.PURE_ENV} is set: nothing built, mqd runs pure Python")
+        return
     try:
         click.echo(native.build(force))
     except native.BuildError as error:
