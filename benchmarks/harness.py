@@ -291,13 +291,16 @@ class Server:
 
 
 def checked_load(server: Server, spec: LoadSpec) -> LoadResult:
-    """run_load(spec) against `server`; any failure raises with the server's state."""
+    """run_load(spec) against `server`, with the server's CPU time during it;
+    any failure raises with the server's state."""
+    cpu = server.cpu()
     try:
         res = run_load(spec)
     except OSError as exc:
         raise RuntimeError(f"{server.name}: {exc}; {server.state()}") from exc
     if res.errors:
         raise RuntimeError(f"{server.name}: {res.errors[0]}; {server.state()}")
+    res.server_cpu = server.cpu() - cpu
     return res
 
 

@@ -234,22 +234,24 @@ def side_by_side(rows: list[Row], mqds: list[Checkout]) -> None:
         for c, r in zip(mqds[1:], runs[1:], strict=True):
             if r is None:
                 continue
-            table.append(
-                [
-                    f"{name}: {mqds[0].label} vs {c.label}",
-                    fmt_rate(first.enqueue.ops_per_s),
-                    fmt_rate(r.enqueue.ops_per_s),
-                    fmt_ratio(first.enqueue.ops_per_s, r.enqueue.ops_per_s),
-                    fmt_rate(first.dequeue.ops_per_s),
-                    fmt_rate(r.dequeue.ops_per_s),
-                    fmt_ratio(first.dequeue.ops_per_s, r.dequeue.ops_per_s),
-                ]
-            )
+            row = [f"{name}: {mqds[0].label} vs {c.label}"]
+            for mine, theirs in ((first.enqueue, r.enqueue), (first.dequeue, r.dequeue)):
+                row += [fmt_rate(mine.ops_per_s), fmt_rate(theirs.ops_per_s)]
+                row.append(fmt_ratio(mine.ops_per_s, theirs.ops_per_s))
+                row += [_cpu(mine), _cpu(theirs)]
+                row.append(fmt_ratio(mine.cpu_us_per_op or 0, theirs.cpu_us_per_op or 0))
+            table.append(row)
+    half = ["against", "ratio", "CPU us/op", "against", "ratio"]
     print_table(
-        "checkouts side by side (same run, medians as above)",
-        ["system", "enqueue/s", "against", "ratio", "dequeue/s", "against", "ratio"],
+        "checkouts side by side (same run, medians as above; CPU: the server's user + system "
+        "time per op, steadier than throughput on a shared machine)",
+        ["system", "enqueue/s", *half, "dequeue/s", *half],
         table,
     )
+
+
+def _cpu(r: LoadResult) -> str:
+    return "-" if r.cpu_us_per_op is None else f"{r.cpu_us_per_op:.1f}"
 
 
 def _dir_bytes(path: Path) -> int:
