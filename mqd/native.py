@@ -1,13 +1,11 @@
 """Compiled builds of the hot modules (mypyc), used when present and current.
 
 The code is mypy-strict, so mypyc compiles it unchanged into C extensions;
-the pure-Python sources stay the reference and the fallback. `bin/setup` runs
-`mqd build-native`, which compiles `MODULES` into
-`mqd/_native/<python tag>/`, beside the sources but never in place of them
-(`mqd build-native` does the same by hand).
-When the package is imported, `activate` puts that directory first on the
-package's search path, so `import mqd.protocol` loads the compiled module,
-but only if:
+the pure-Python sources stay the reference and the fallback. `mqd build-native`
+(which `bin/setup` runs) compiles `MODULES` into `mqd/_native/<python tag>/`,
+beside the sources but never in place of them. When the package is
+imported, `activate` puts that directory first on the package's search path,
+so `import mqd.protocol` loads the compiled module, but only if:
 
 - the environment variable MQD_PURE_PYTHON is unset, empty or "0"
   (set it to 1 to force the pure-Python path), and
@@ -121,9 +119,9 @@ def build(force: bool = False) -> str:
         if run.returncode != 0:
             raise BuildError(f"mypyc failed:\n{run.stdout[-4000:]}{run.stderr[-4000:]}")
         if list(work.glob("*.so")):
-            # Several modules share a runtime library that mypyc puts at the
-            # top level; keeping to one module per build avoids needing it.
-            raise BuildError("build one module per package level (see MODULES)")
+            # Several modules compiled together share a runtime library that
+            # mypyc puts outside the package, where activate() does not look.
+            raise BuildError("MODULES may name one module: several need a shared library")
         # The digest of the copy compiled, should the sources change meanwhile.
         manifest = {"modules": list(MODULES), "sources": source_digest(work / "mqd")}
         staging = BUILD.with_name(BUILD.name + ".new")
