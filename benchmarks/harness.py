@@ -1,5 +1,6 @@
 """What the benchmark scripts share: servers they start and stop, free loopback
-ports, a process's resident memory, a daemon's `stats`, and result tables.
+ports, a process's resident memory, a daemon's `stats`, result tables, and the
+checkouts of mqd a run compares (`--against DIR`).
 
 Every server is started on 127.0.0.1 on a port the kernel just handed out,
 with its files in a temporary directory, and is stopped (TERM, then KILL)
@@ -8,6 +9,7 @@ when its `with` block ends, also on errors and Ctrl-C.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import random
@@ -19,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -29,7 +32,7 @@ from rich.table import Table
 
 HOST = "127.0.0.1"
 # Wide enough for the result tables also when output goes to a file or CI log.
-console = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 160)
+console = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 200)
 
 
 def free_port() -> int:
@@ -93,6 +96,13 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time process `pid` (all its threads) has used so far."""
+    # The command name (field 2) may hold spaces; the fields after it do not.
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def find_mqd(explicit: str | None = None) -> str:
     """The mqd executable: `explicit`, else the one beside this Python, else PATH."""
     if explicit:
@@ -103,6 +113,68 @@ def find_mqd(explicit: str | None = None) -> str:
     found = shutil.which("mqd")
     if not found:
         raise SystemExit("mqd not found: install the project (pip install -e .) or pass --mqd")
+    return found
+
+
+@dataclass(frozen=True)
+class Checkout:
+    """One mqd to measure: its executable, a label for the tables, its environment."""
+
+    label: str
+    exe: str
+    env: tuple[tuple[str, str], ...] = ()
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def revision(directory: Path) -> str:
+    """The short commit of a checkout, with "+" if it has uncommitted changes."""
+    git = ["git", "-C", str(directory)]
+    rev = subprocess.run(
+        [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return (rev or directory.name) + ("+" if dirty else "")
+
+
+def add_checkout_options(p: argparse.ArgumentParser) -> None:
+    """--mqd and --against, shared by every script that starts mqd."""
+    p.add_argument("--mqd", default=None, help="mqd executable (default: beside this Python)")
+    p.add_argument(
+        "--against",
+        metavar="DIR",
+        action="append",
+        default=[],
+        help="also measure the mqd of another checkout (DIR/.venv/bin/mqd, as bin/setup "
+        "makes it), side by side in the same run; repeatable",
+    )
+    p.add_argument(
+        "--pure",
+        action="store_true",
+        help="also measure this checkout's mqd on its pure-Python path (MQD_PURE_PYTHON=1), "
+        "against its compiled modules (mqd/native.py)",
+    )
+
+
+def checkouts(args: argparse.Namespace) -> list[Checkout]:
+    """This checkout's mqd first, then each --against checkout's."""
+    this = revision(REPO) if args.mqd is None else Path(args.mqd).name
+    found = [Checkout(this, find_mqd(args.mqd))]
+    if args.pure:
+        found.append(Checkout(f"{this}-pure", found[0].exe, (("MQD_PURE_PYTHON", "1"),)))
+    for d in args.against:
+        exe = Path(d).resolve() / ".venv" / "bin" / "mqd"
+        if not exe.exists():
+            raise SystemExit(f"--against {d}: no {exe}; run bin/setup in that checkout first")
+        found.append(Checkout(revision(Path(d).resolve()), str(exe)))
+    if len({c.label for c in found}) < len(found):  # the same commit twice: tell them apart
+        found = [Checkout(f"{c.label}#{i}", c.exe, c.env) for i, c in enumerate(found, 1)]
     return found
 
 
@@ -130,8 +202,10 @@ class Server:
         ready_timeout: float = 30.0,
         files: dict[str, str] | None = None,
         base_dir: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
+        self.env = {**os.environ, **env} if env else None
         self.port = free_port()
         # base_dir picks the disk: durability figures depend on it, so a
         # user can point it at the disk the real queues would live on.
@@ -156,6 +230,7 @@ class Server:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=self.dir,
+            env=self.env,
             start_new_session=True,  # a Ctrl-C on the terminal reaches us, not it
         )
         deadline = time.monotonic() + self.ready_timeout
@@ -200,6 +275,9 @@ class Server:
     def rss(self) -> int:
         return rss_bytes(self.pid)
 
+    def cpu(self) -> float:
+        return cpu_seconds(self.pid)
+
     def __enter__(self) -> Server:
         return self.start()
 
@@ -213,13 +291,16 @@ class Server:
 
 
 def checked_load(server: Server, spec: LoadSpec) -> LoadResult:
-    """run_load(spec) against `server`; any failure raises with the server's state."""
+    """run_load(spec) against `server`, with the server's CPU time during it;
+    any failure raises with the server's state."""
+    cpu = server.cpu()
     try:
         res = run_load(spec)
     except OSError as exc:
         raise RuntimeError(f"{server.name}: {exc}; {server.state()}") from exc
     if res.errors:
         raise RuntimeError(f"{server.name}: {res.errors[0]}; {server.state()}")
+    res.server_cpu = server.cpu() - cpu
     return res
 
 
@@ -252,6 +333,7 @@ def mqd(
     backend: str,
     *,
     exe: str | None = None,
+    env: dict[str, str] | None = None,
     loop: str | None = None,
     config: str | None = None,
     name: str | None = None,
@@ -271,7 +353,20 @@ def mqd(
     if config is not None:
         files["mqd.toml"] = config
         argv += ["--config", "{dir}/mqd.toml"]
-    return Server(name or f"mqd-{backend}", argv, files=files, base_dir=base_dir)
+    return Server(name or f"mqd-{backend}", argv, files=files, base_dir=base_dir, env=env)
+
+
+def mqd_config(sync: str, interval_ms: int = 1000) -> str:
+    """TOML for a daemon whose every queue has `sync`."""
+    return f'[storage]\nsync_interval_ms = {interval_ms}\n\n[queues."*"]\nsync = "{sync}"\n'
+
+
+def redis(fsync: str, base_dir: str | None = None) -> Server:
+    """Redis with its append-only file on, fsync policy `fsync` (always, everysec, no)."""
+    argv = ["redis-server", "--bind", HOST, "--port", "{port}", "--dir", "{dir}"]
+    # No RDB snapshots: the append-only file is the durability under test.
+    argv += ["--save", "", "--appendonly", "yes", "--appendfsync", fsync]
+    return Server(f"redis-{fsync}", argv, base_dir=base_dir)
 
 
 def text_command(port: int, request: bytes, end: bytes, timeout: float = 30.0) -> bytes:

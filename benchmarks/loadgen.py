@@ -350,10 +350,19 @@ class LoadResult:
     elapsed: float
     latencies: array[float] = field(repr=False)
     errors: list[str] = field(default_factory=list)
+    # The server's CPU seconds during the run, when the caller measured them.
+    server_cpu: float | None = None
 
     @property
     def ops_per_s(self) -> float:
         return self.ops / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def cpu_us_per_op(self) -> float | None:
+        """The server's CPU time per op in microseconds, if measured."""
+        if self.server_cpu is None or not self.ops:
+            return None
+        return self.server_cpu / self.ops * 1e6
 
     def percentile(self, p: float) -> float:
         """Batch round-trip latency percentile `p` (0-100), in milliseconds."""

@@ -39,29 +39,28 @@ from pathlib import Path
 
 from harness import (
     HOST,
+    Checkout,
     Server,
+    add_checkout_options,
     checked_load,
+    checkouts,
     console,
     fill,
-    find_mqd,
     fmt_ms,
     fmt_rate,
     fmt_ratio,
     median_run,
     memcache_stats,
     mqd,
+    mqd_config,
     mqd_serve_flags,
     print_table,
+    redis,
 )
 from loadgen import LoadResult, LoadSpec
 
 REDIS_ALWAYS = "redis always"
 BEANSTALKD = "beanstalkd -f 0"
-
-
-def mqd_config(sync: str, interval_ms: int = 1000) -> str:
-    """TOML for a daemon whose every queue has `sync`."""
-    return f'[storage]\nsync_interval_ms = {interval_ms}\n\n[queues."*"]\nsync = "{sync}"\n'
 
 
 @dataclass
@@ -88,11 +87,12 @@ class System:
     note: str
 
 
-def _mqd(backend: str, sync: str) -> Callable[[Options], Server]:
+def _mqd(backend: str, sync: str, c: Checkout) -> Callable[[Options], Server]:
     def start(o: Options) -> Server:
         return mqd(
             backend,
-            exe=o.exe,
+            exe=c.exe,
+            env=dict(c.env),
             loop=o.loop,
             config=mqd_config(sync),
             name=f"mqd-{backend}-{sync}",
@@ -103,13 +103,7 @@ def _mqd(backend: str, sync: str) -> Callable[[Options], Server]:
 
 
 def _redis(fsync: str) -> Callable[[Options], Server]:
-    def start(o: Options) -> Server:
-        argv = ["redis-server", "--bind", HOST, "--port", "{port}", "--dir", "{dir}"]
-        # No RDB snapshots: the append-only file is the durability under test.
-        argv += ["--save", "", "--appendonly", "yes", "--appendfsync", fsync]
-        return Server(f"redis-{fsync}", argv, base_dir=o.base_dir)
-
-    return start
+    return lambda o: redis(fsync, o.base_dir)
 
 
 def _beanstalkd(o: Options) -> Server:
@@ -117,15 +111,29 @@ def _beanstalkd(o: Options) -> Server:
     return Server("beanstalkd", argv, base_dir=o.base_dir)
 
 
-SYSTEMS = [
-    System("mqd bdb always", "memcache", _mqd("bdb", "always"), 'sync = "always"'),
-    System("mqd bdb periodic", "memcache", _mqd("bdb", "periodic"), 'sync = "periodic", 1000 ms'),
-    System("mqd bdb-single", "memcache", _mqd("bdb-single", "always"), 'sync = "always"'),
-    System("mqd bdb-random", "memcache", _mqd("bdb-random", "always"), 'sync = "always"'),
+MQD_SYSTEMS = [  # name, backend, sync, note
+    ("mqd bdb always", "bdb", "always", 'sync = "always"'),
+    ("mqd bdb periodic", "bdb", "periodic", 'sync = "periodic", 1000 ms'),
+    ("mqd bdb-single", "bdb-single", "always", 'sync = "always"'),
+    ("mqd bdb-random", "bdb-random", "always", 'sync = "always"'),
+]
+OTHER_SYSTEMS = [
     System(REDIS_ALWAYS, "resp", _redis("always"), "appendonly, appendfsync always"),
     System("redis everysec", "resp", _redis("everysec"), "appendonly, appendfsync everysec"),
     System(BEANSTALKD, "beanstalk", _beanstalkd, "binlog, fsync every write"),
 ]
+SYSTEM_NAMES = [name for name, *_ in MQD_SYSTEMS] + [s.name for s in OTHER_SYSTEMS]
+
+
+def systems(wanted: set[str], mqds: list[Checkout]) -> list[System]:
+    """The systems named in `wanted`, each mqd one once per checkout (labelled if several)."""
+    out = []
+    for name, backend, sync, note in MQD_SYSTEMS:
+        if name in wanted:
+            for c in mqds:
+                label = f"{name} @{c.label}" if len(mqds) > 1 else name
+                out.append(System(label, "memcache", _mqd(backend, sync, c), note))
+    return out + [s for s in OTHER_SYSTEMS if s.name in wanted]
 
 
 @dataclass
@@ -209,6 +217,38 @@ def comparison(rows: list[Row], o: Options) -> None:
         ],
         table,
     )
+
+
+def side_by_side(rows: list[Row], mqds: list[Checkout]) -> None:
+    """Each mqd system's figures per checkout, and the ratios to the first checkout."""
+    by_name = {r.system.name: r for r in rows}
+    table = []
+    for name, *_ in MQD_SYSTEMS:
+        runs = [by_name.get(f"{name} @{c.label}") for c in mqds]
+        first = runs[0]
+        if first is None:
+            continue
+        for c, r in zip(mqds[1:], runs[1:], strict=True):
+            if r is None:
+                continue
+            row = [f"{name}: {mqds[0].label} vs {c.label}"]
+            for mine, theirs in ((first.enqueue, r.enqueue), (first.dequeue, r.dequeue)):
+                row += [fmt_rate(mine.ops_per_s), fmt_rate(theirs.ops_per_s)]
+                row.append(fmt_ratio(mine.ops_per_s, theirs.ops_per_s))
+                row += [_cpu(mine), _cpu(theirs)]
+                row.append(fmt_ratio(mine.cpu_us_per_op or 0, theirs.cpu_us_per_op or 0))
+            table.append(row)
+    half = ["against", "ratio", "CPU us/op", "against", "ratio"]
+    print_table(
+        "checkouts side by side (same run, medians as above; CPU: the server's user + system "
+        "time per op, steadier than throughput on a shared machine)",
+        ["system", "enqueue/s", *half, "dequeue/s", *half],
+        table,
+    )
+
+
+def _cpu(r: LoadResult) -> str:
+    return "-" if r.cpu_us_per_op is None else f"{r.cpu_us_per_op:.1f}"
 
 
 def _dir_bytes(path: Path) -> int:
@@ -309,13 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connections", type=int, default=16)
     p.add_argument("--pipeline", type=int, default=1, help="commands per write (default 1)")
     p.add_argument("--loop", default="uvloop", help="mqd --loop value, if mqd offers the flag")
-    p.add_argument("--mqd", default=None, help="mqd executable (default: beside this Python)")
+    add_checkout_options(p)
     p.add_argument("--tmpdir", default=None, help="where data directories go (default: TMPDIR)")
     p.add_argument("--size", type=int, default=100, help="message bytes")
     p.add_argument(
         "--systems",
         default=None,
-        help="comma-separated names to run (default all): " + ", ".join(s.name for s in SYSTEMS),
+        help="comma-separated names to run (default all): " + ", ".join(SYSTEM_NAMES),
     )
     p.add_argument("--depth", type=int, default=0, help="also run the depth test with N messages")
     p.add_argument("--depth-backend", default="bdb")
@@ -325,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-compare", action="store_true", help="skip the comparison (depth only)")
     a = p.parse_args(argv)
-    exe = find_mqd(a.mqd)
+    mqds = checkouts(a)
+    exe = mqds[0].exe
     o = Options(
         duration=a.duration or (2.0 if a.quick else 5.0),
         repeat=a.repeat or (1 if a.quick else 3),
@@ -340,13 +381,13 @@ def main(argv: list[str] | None = None) -> int:
         depth_sync=a.depth_sync,
         depth_repeat=a.depth_repeat or (1 if a.quick else 3),
     )
-    chosen = SYSTEMS
+    wanted = set(SYSTEM_NAMES)
     if a.systems:
         wanted = {n.strip() for n in a.systems.split(",")}
-        unknown = wanted - {s.name for s in SYSTEMS}
+        unknown = wanted - set(SYSTEM_NAMES)
         if unknown:
             p.error(f"unknown systems: {', '.join(sorted(unknown))}")
-        chosen = [s for s in SYSTEMS if s.name in wanted]
+    chosen = systems(wanted, mqds)
     missing = [b for b in ("redis-server", "beanstalkd") if not shutil.which(b)]
     if missing and not a.no_compare:
         chosen = [s for s in chosen if not any(m.split("-")[0] in s.name for m in missing)]
@@ -360,7 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         # a burst of other activity on the machine then hits every system
         # in one round instead of all runs of one system.
         rounds = [[measure(s, o) for s in chosen] for _ in range(o.repeat)]
-        comparison([_median_row([r[i] for r in rounds]) for i in range(len(chosen))], o)
+        rows = [_median_row([r[i] for r in rounds]) for i in range(len(chosen))]
+        comparison(rows, o)
+        if len(mqds) > 1:
+            side_by_side(rows, mqds)
     if o.depth:
         depth_test(o)
     return 0

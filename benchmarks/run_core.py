@@ -21,6 +21,7 @@ Usage: python benchmarks/run_core.py [--quick] [--duration S]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import sys
 import time
@@ -28,11 +29,13 @@ from dataclasses import dataclass, replace
 
 from harness import (
     HOST,
+    Checkout,
     Server,
+    add_checkout_options,
     checked_load,
+    checkouts,
     console,
     fill,
-    find_mqd,
     fmt_ms,
     fmt_rate,
     median_run,
@@ -56,7 +59,7 @@ class Settings:
     processes: int
     memcached_threads: int
     loop: str | None
-    mqd_exe: str | None
+    mqds: list[Checkout]
     wake_samples: int
     fill: int
     size: int
@@ -76,23 +79,24 @@ def _spec(server: Server, s: Settings, conns: int, depth: int, queue: str) -> Lo
     )
 
 
-def throughput(mc: Server, mq: Server, s: Settings) -> None:
-    """Section 1: the memcached/mqd comparison table.
+def throughput(mc: Server, mqs: dict[str, Server], s: Settings) -> None:
+    """Section 1: the memcached/mqd comparison table (one mqd per checkout).
 
     Loopback throughput on a small shared VM moves by tens of percent from
     one run to the next (where the scheduler puts the two ends matters), so
-    each row alternates the two servers `repeat` times and keeps each one's
-    median run: both see the same conditions, and one lucky or unlucky run
+    each row alternates the servers `repeat` times and keeps each one's
+    median run: all see the same conditions, and one lucky or unlucky run
     does not make the ratio.
     """
+    servers = {"memcached": mc, **{f"mqd {label}": srv for label, srv in mqs.items()}}
+    names = list(servers)
     rows = []
     for conns in s.connections:
         for depth in s.depths:
             specs = {
-                "memcached": _spec(mc, s, conns, depth, "q"),
-                "mqd": _spec(mq, s, conns, depth, f"q{conns}x{depth}"),
+                name: _spec(srv, s, conns, depth, "q" if srv is mc else f"q{conns}x{depth}")
+                for name, srv in servers.items()
             }
-            servers = {"memcached": mc, "mqd": mq}
             runs: dict[str, list[LoadResult]] = {name: [] for name in specs}
             if s.warmup > 0:
                 for name, spec in specs.items():
@@ -100,27 +104,28 @@ def throughput(mc: Server, mq: Server, s: Settings) -> None:
             for _ in range(s.repeat):
                 for name, spec in specs.items():
                     runs[name].append(checked_load(servers[name], spec))
-            a, b = median_run(runs["memcached"]), median_run(runs["mqd"])
-            for name, res in (("memcached", a), ("mqd", b)):
+            medians = {name: median_run(runs[name]) for name in names}
+            for name, res in medians.items():
                 spread = ", ".join(fmt_rate(r.ops_per_s) for r in runs[name])
                 console.print(
                     f"  {conns} x {depth} {name}: runs {spread} ops/s; median's p50 "
                     f"{fmt_ms(res.p50)} ms p99 {fmt_ms(res.p99)} ms, {res.hits:,} messages out"
                 )
-            rows.append(ratio_row(f"{conns} x {depth}", a, b))
+            first_mqd = medians[names[1]]
+            for name in names:
+                res = medians[name]
+                row = [f"{conns} x {depth}", name, fmt_rate(res.ops_per_s)]
+                row += [fmt_ms(res.p50), fmt_ms(res.p99)]
+                row.append(fmt_ratio(res.ops_per_s, medians["memcached"].ops_per_s))
+                if len(names) > 2:  # several checkouts: each against the first
+                    mqd_row = name != "memcached"
+                    row.append(fmt_ratio(res.ops_per_s, first_mqd.ops_per_s) if mqd_row else "")
+                rows.append(row)
+    columns = ["conns x depth", "server", "ops/s", "p50", "p99", "/memcached"]
     print_table(
         "enqueue+dequeue (set+get pairs; ops/s counts each set and each get; "
         "latency = one batch round trip, ms)",
-        [
-            "conns x depth",
-            "memcached ops/s",
-            "p50",
-            "p99",
-            "mqd ops/s",
-            "p50",
-            "p99",
-            "mqd/memcached",
-        ],
+        columns + ([f"/{names[1]}"] if len(names) > 2 else []),
         rows,
     )
 
@@ -168,8 +173,25 @@ def _read_until(sock: socket.socket, end: bytes) -> bytes:
     return buf
 
 
-def wake_latency(mq: Server, s: Settings) -> None:
-    """Section 3: time from a producer's set to a parked consumer's VALUE."""
+def wake_latency(mqs: dict[str, Server], s: Settings) -> None:
+    """Section 3: time from a producer's set to a parked consumer's VALUE, per mqd."""
+    rows = []
+    for label, mq in mqs.items():
+        samples = _wake_samples(mq, s)
+
+        def pct(p: float, samples: list[float] = samples) -> float:
+            return samples[min(len(samples) - 1, int(p / 100 * len(samples)))] * 1000
+
+        rows.append([label, fmt_ms(pct(50)), fmt_ms(pct(99)), fmt_ms(samples[-1] * 1000)])
+    print_table(
+        f"waiting get woken by a set ({s.wake_samples} samples; target p99 < 2 ms)",
+        ["mqd", "p50 ms", "p99 ms", "max ms"],
+        rows,
+    )
+
+
+def _wake_samples(mq: Server, s: Settings) -> list[float]:
+    """Wake-up times in seconds, sorted."""
     queue = b"wake"
     body = b"x" * s.size
     set_cmd = b"set %s 0 0 %d\r\n%s\r\n" % (queue, len(body), body)
@@ -195,39 +217,24 @@ def wake_latency(mq: Server, s: Settings) -> None:
                 raise RuntimeError(f"waiting get returned {reply[:60]!r}")
             _read_until(prod, b"STORED\r\n")
     samples.sort()
-
-    def pct(p: float) -> float:
-        return samples[min(len(samples) - 1, int(p / 100 * len(samples)))] * 1000
-
-    print_table(
-        f"waiting get woken by a set ({len(samples)} samples; target p99 < 2 ms)",
-        ["p50 ms", "p99 ms", "max ms"],
-        [[fmt_ms(pct(50)), fmt_ms(pct(99)), fmt_ms(samples[-1] * 1000)]],
-    )
+    return samples
 
 
 def memory(s: Settings) -> None:
-    """Section 4: RSS growth per queued message, on a fresh daemon."""
-    with mqd("memory", exe=s.mqd_exe, loop=s.loop) as srv:
-        memcache_stats(srv.port)  # one round trip first: lazy start-up work is done
-        before = srv.rss()
-        res = fill(srv, "mem", s.fill, s.size, max_seconds=600)
-        time.sleep(0.5)
-        after = srv.rss()
-        items = memcache_stats(srv.port).get("queue_mem_items", "?")
-    per = (after - before) / s.fill
-    print_table(
-        f"memory per queued {s.size}-byte message (memory backend; target < 400 bytes)",
-        [
-            "messages",
-            "queue_mem_items",
-            "RSS before MB",
-            "RSS after MB",
-            "bytes/message",
-            "fill ops/s",
-        ],
-        [
+    """Section 4: RSS growth per queued message, on a fresh daemon of each checkout."""
+    rows = []
+    for c in s.mqds:
+        with mqd("memory", exe=c.exe, env=dict(c.env), loop=s.loop) as srv:
+            memcache_stats(srv.port)  # one round trip first: lazy start-up work is done
+            before = srv.rss()
+            res = fill(srv, "mem", s.fill, s.size, max_seconds=600)
+            time.sleep(0.5)
+            after = srv.rss()
+            items = memcache_stats(srv.port).get("queue_mem_items", "?")
+        per = (after - before) / s.fill
+        rows.append(
             [
+                c.label,
                 f"{s.fill:,}",
                 items,
                 f"{before / 2**20:.1f}",
@@ -235,7 +242,19 @@ def memory(s: Settings) -> None:
                 f"{per:.0f}",
                 fmt_rate(res.ops_per_s),
             ]
+        )
+    print_table(
+        f"memory per queued {s.size}-byte message (memory backend; target < 400 bytes)",
+        [
+            "mqd",
+            "messages",
+            "queue_mem_items",
+            "RSS before MB",
+            "RSS after MB",
+            "bytes/message",
+            "fill ops/s",
         ],
+        rows,
     )
 
 
@@ -263,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         default="uvloop",
         help="mqd --loop value, if mqd offers the flag (asyncio, uvloop)",
     )
-    p.add_argument("--mqd", default=None, help="mqd executable (default: beside this Python)")
+    add_checkout_options(p)
     p.add_argument("--wake-samples", type=int, default=None, help="default 2000")
     p.add_argument("--fill", type=int, default=None, help="messages for the memory test")
     p.add_argument("--size", type=int, default=100, help="message bytes")
@@ -282,29 +301,33 @@ def main(argv: list[str] | None = None) -> int:
         processes=a.processes,
         memcached_threads=a.memcached_threads,
         loop=None,
-        mqd_exe=a.mqd,
+        mqds=checkouts(a),
         wake_samples=a.wake_samples or (300 if a.quick else 2000),
         fill=a.fill or (100_000 if a.quick else 1_000_000),
         size=a.size,
     )
     only = set(a.only.split(","))
-    exe = find_mqd(a.mqd)
-    if "--loop" in mqd_serve_flags(exe):
+    if all("--loop" in mqd_serve_flags(c.exe) for c in s.mqds):
         s.loop = a.loop
     console.print(
-        f"memcached -t {s.memcached_threads}; mqd --backend memory"
+        f"memcached -t {s.memcached_threads}; mqd --backend memory "
+        f"({', '.join(f'{c.label}: {c.exe}' for c in s.mqds)})"
         f"{' --loop ' + s.loop if s.loop else ''}; generator: {s.processes} process(es); "
         f"{s.repeat} x {s.duration:g} s per row and server after {s.warmup:g} s warm-up; "
         f"{s.size}-byte messages"
     )
     if only & {"throughput", "ceiling", "wake"}:
-        with memcached(s.memcached_threads) as mc, mqd("memory", exe=exe, loop=s.loop) as mq:
+        with memcached(s.memcached_threads) as mc, contextlib.ExitStack() as stack:
+            mqs = {
+                c.label: stack.enter_context(mqd("memory", exe=c.exe, env=dict(c.env), loop=s.loop))
+                for c in s.mqds
+            }
             if "throughput" in only:
-                throughput(mc, mq, s)
+                throughput(mc, mqs, s)
             if "ceiling" in only:
                 ceiling(mc, s)
             if "wake" in only:
-                wake_latency(mq, s)
+                wake_latency(mqs, s)
     if "memory" in only:
         memory(s)
     return 0

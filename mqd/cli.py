@@ -340,8 +340,26 @@ def redrive(dead_letters: str, to: str | None, most: int | None, host: str, port
 
 @main.command()
 def version() -> None:
-    """Print mqd's version."""
+    """Print mqd's version and whether its hot modules run compiled."""
+    from mqd import native
+
     click.echo(f"mqd {__version__}")
+    click.echo(f"modules: {native.state}")
+
+
+@main.command("build-native")
+@click.option("--force", is_flag=True, help="Rebuild even when the build is up to date.")
+def build_native(force: bool) -> None:
+    """Compile the hot modules with mypyc (bin/setup does this)."""
+    from mqd import native
+
+    if native.forced_pure():
+        click.echo(f"{native.PURE_ENV} is set: nothing built, mqd runs pure Python")
+        return
+    try:
+        click.echo(native.build(force))
+    except native.BuildError as error:
+        raise click.ClickException(str(error)) from None
 
 
 if __name__ == "__main__":

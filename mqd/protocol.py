@@ -236,27 +236,40 @@ def parse_key(raw: bytes) -> Key | None:
     if not slash:
         return Key(raw, queue, plain=True)
     seen: set[str] = set()
-    fields: dict[str, object] = {}
+    wait_ms: int | None = None
+    at: int | None = None
     for option in rest.split(b"/"):
         flag = _FLAG_OPTIONS.get(option)
-        value: int | bool | None
         if flag is not None:
-            key, value = flag, True
+            key = flag
         elif option.startswith(b"t="):
-            key, value = "wait_ms", _unsigned(option[2:], 2**63)
+            key, wait_ms = "wait_ms", _unsigned(option[2:], 2**63)
+            if wait_ms is None:
+                return None
         elif option.startswith(b"at="):
-            key, value = "at", _unsigned(option[3:], 2**63)
+            key, at = "at", _unsigned(option[3:], 2**63)
+            if at is None:
+                return None
         else:
             return None
-        if value is None or key in seen:
+        if key in seen:
             return None
         seen.add(key)
-        fields[key] = value
     if "at" in seen and len(seen) > 1:
         return None
     if any(clash <= seen for clash in _CLASHES):
         return None
-    return Key(raw, queue, **fields)  # type: ignore[arg-type]
+    # Arguments spelled out: compiled by mypyc, Key(**fields) fails on the bool fields.
+    return Key(
+        raw,
+        queue,
+        wait_ms=wait_ms,
+        open="open" in seen,
+        close="close" in seen,
+        abort="abort" in seen,
+        peek="peek" in seen,
+        at=at,
+    )
 
 
 # -- the parser ----------------------------------------------------------------
@@ -347,7 +360,8 @@ class Parser:
                 if len(tokens) == 5:
                     nbytes = tokens[4]
                     block = pos + int(nbytes) + 2 if nbytes.isdigit() else 0
-                    if block <= size and data[block - 2 : block] == b"\r\n":
+                    # 0 < block: compiled by mypyc, a negative slice start is an error.
+                    if 0 < block <= size and data[block - 2 : block] == b"\r\n":
                         store = self._set(tokens, data[pos : block - 2])
                         if store is not None:
                             out.append(store)
