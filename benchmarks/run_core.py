@@ -38,13 +38,13 @@ from harness import (
     fill,
     fmt_ms,
     fmt_rate,
+    fmt_ratio,
     median_run,
     memcache_stats,
     memcached,
     mqd,
     mqd_serve_flags,
     print_table,
-    ratio_row,
 )
 from loadgen import LoadResult, LoadSpec
 
