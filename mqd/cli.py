@@ -93,6 +93,12 @@ def main() -> None:
     "--port", envvar="MQD_PORT", metavar="PORT", help="TCP port, 0-65535.  [default: 22133]"
 )
 @click.option(
+    "--redis-port",
+    envvar="MQD_REDIS_PORT",
+    metavar="PORT",
+    help="Also serve the Redis protocol on this TCP port ([server.redis]).  [default: off]",
+)
+@click.option(
     "--backend",
     envvar="MQD_BACKEND",
     metavar="NAME",
@@ -175,6 +181,8 @@ def check_config(config_path: Path | None) -> None:
         click.echo(f"clients log in with a user from {cfg.auth_users_file}")
     if cfg.metrics_port:
         click.echo(f"metrics http://{cfg.metrics_listen}:{cfg.metrics_port}/metrics")
+    if cfg.redis_port is not None:
+        click.echo(f"redis listen {cfg.redis_listen or cfg.listen}:{cfg.redis_port}")
     for pattern, values in cfg.queues:
         settings = ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in values.items())
         click.echo(f'queues."{pattern}": {settings}')

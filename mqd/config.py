@@ -73,6 +73,9 @@ class Config:
     # [metrics]: Prometheus at http://<metrics_listen>:<metrics_port>/metrics; port 0: off
     metrics_listen: str = "127.0.0.1"
     metrics_port: int = 0
+    # [server.redis]: the Redis listener, off unless the table is there
+    redis_listen: str = ""  # "": the address of `listen`
+    redis_port: int | None = None
     # [storage]
     backend: str = "bdb"
     data_dir: Path = Path("data")
@@ -223,6 +226,9 @@ _SERVER_KEYS: dict[str, str] = {
 }
 _TLS_KEYS: dict[str, str] = {"cert_file": "path", "key_file": "path", "ca_file": "path"}
 _AUTH_KEYS: dict[str, str] = {"users_file": "path"}
+_REDIS_KEYS: dict[str, str] = {"listen": "string", "port": "port"}
+REDIS_PORT = 6379  # [server.redis] without a port: Redis' own
+_FLAG_ONLY_KEYS: dict[str, str] = {"redis_port": "port"}  # flags of a key in a sub-table
 _STORAGE_KEYS: dict[str, str] = {
     "backend": "backend",
     "data_dir": "path",
@@ -309,6 +315,7 @@ def parse(data: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
     server_check = TableReader(path, server, "server.")
     tls = _read(TableReader(path, _table(server_check, "tls"), "server.tls."), _TLS_KEYS)
     auth = _read(TableReader(path, _table(server_check, "auth"), "server.auth."), _AUTH_KEYS)
+    redis = _table(server_check, "redis") if "redis" in server else None
     fields = _read(server_check, _SERVER_KEYS)
     if tls:
         for key in ("cert_file", "key_file"):
@@ -320,6 +327,10 @@ def parse(data: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
         fields["auth_users_file"] = auth["users_file"]
     for key, value in _read(TableReader(path, metrics, "metrics."), _METRICS_KEYS).items():
         fields[f"metrics_{key}"] = value
+    if redis is not None:
+        listener = _read(TableReader(path, redis, "server.redis."), _REDIS_KEYS)
+        fields["redis_listen"] = listener.get("listen", "")
+        fields["redis_port"] = listener.get("port", REDIS_PORT)
     storage_check = TableReader(path, storage, "storage.")
     # Tables are backends' options, validated by the backend chosen (which
     # --backend may change after the file is read).
@@ -352,7 +363,7 @@ _NUMERIC = re.compile(r"[+-]?[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?")
 
 def _from_text(key: str, override: Override) -> Any:
     """`override` converted as its key's kind and validated exactly as the file's value."""
-    kind = _SERVER_KEYS.get(key) or _STORAGE_KEYS[key]
+    kind = _SERVER_KEYS.get(key) or _FLAG_ONLY_KEYS.get(key) or _STORAGE_KEYS[key]
     text = override.text.strip()
     value: object = override.text
     if kind in ("port", "positive", "count") and text.lstrip("+-").isdigit():

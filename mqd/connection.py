@@ -62,6 +62,8 @@ AUTH_FAILED = b"CLIENT_ERROR authentication failure\r\n"
 class Connection(asyncio.Protocol):
     """One client connection."""
 
+    refusal = TOO_MANY_CONNECTIONS  # the reply when max_connections are open
+
     def __init__(self, server: Server) -> None:
         self.server = server
         self.broker = server.broker
@@ -120,7 +122,7 @@ class Connection(asyncio.Protocol):
         self.server.refused(
             "refused a connection: max_connections (%d) reached", len(self.server.connections)
         )
-        self.transport.write(TOO_MANY_CONNECTIONS)
+        self.transport.write(self.refusal)
         if self.transport.can_write_eof():
             self.transport.write_eof()  # the client sees the line, then EOF, and closes
         self.server.loop.call_later(REFUSED_LINGER, self.transport.close)

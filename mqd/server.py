@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import signal
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 
@@ -105,6 +106,8 @@ class Server:
             reason = error.strerror if isinstance(error, OSError) and error.strerror else error
             raise StorageError(f"{where}: {reason}") from error
         self._fit_descriptors(limit)
+        # Redis first: once the memcached port answers, both do.
+        redis = self._listen_redis(tls)
         listener = Listener.open(
             self.config.listen, self.config.port, lambda: Connection(self), tls
         )
@@ -134,9 +137,29 @@ class Server:
             if self.metrics is not None:
                 await asyncio.to_thread(self.metrics.stop)
             listener.close()
+            if redis is not None:
+                redis.close()
             await self._drain()
             await self.broker.stop()
             log.info("stopped")
+
+    def _listen_redis(self, tls: ssl.SSLContext | None) -> Listener | None:
+        """The Redis listener, same loop, broker and TLS, when [server.redis] asks for it."""
+        config = self.config
+        if config.redis_port is None:
+            return None
+        from mqd.redis_server import RedisConnection
+
+        listen = config.redis_listen or config.listen
+        try:
+            listener = Listener.open(listen, config.redis_port, lambda: RedisConnection(self), tls)
+        except OSError as error:
+            where = f"{config.path}: " if config.path else ""
+            raise ConfigError(
+                f"{where}server.redis: cannot listen on {listen}:{config.redis_port}: {error}"
+            ) from None
+        log.info("redis protocol on %s:%d%s", *listener.address, " (TLS)" if tls else "")
+        return listener
 
     def _fit_descriptors(self, limit: int) -> None:
         """Lower max_connections to what the descriptor limit leaves (one line says so)."""

@@ -53,7 +53,7 @@ max_items = 1
 
 @pytest.fixture(scope="session")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    with Daemon(tmp_path_factory.mktemp("mqd"), config_text=SHARED_CONFIG) as d:
+    with Daemon(tmp_path_factory.mktemp("mqd"), config_text=SHARED_CONFIG, redis=True) as d:
         yield d
 
 

@@ -35,6 +35,7 @@ class Daemon:
         config_text: str = "",
         args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        redis: bool = False,
     ) -> None:
         self.workdir = workdir
         self.backend = backend
@@ -45,6 +46,7 @@ class Daemon:
         self.args = args
         self.env = {**os.environ, **(env or {})}
         self.port = free_port()
+        self.redis_port = free_port() if redis else None  # the Redis listener's
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -55,6 +57,11 @@ class Daemon:
     @property
     def address(self) -> tuple[str, int]:
         return ("127.0.0.1", self.port)
+
+    @property
+    def redis_address(self) -> tuple[str, int]:
+        assert self.redis_port is not None, "Daemon(redis=True) starts the Redis listener"
+        return ("127.0.0.1", self.redis_port)
 
     def command(self) -> list[str]:
         return [
@@ -72,6 +79,7 @@ class Daemon:
             self.backend,
             "--data-dir",
             str(self.data_dir),
+            *(["--redis-port", str(self.redis_port)] if self.redis_port else []),
             *self.args,
         ]
 
@@ -87,6 +95,8 @@ class Daemon:
                 raise RuntimeError(f"mqd exited with {self.process.returncode}:\n{self.log()}")
             try:
                 socket.create_connection(self.address, timeout=0.5).close()
+                if self.redis_port:
+                    socket.create_connection(self.redis_address, timeout=0.5).close()
                 return self
             except OSError:
                 time.sleep(0.02)
