@@ -144,6 +144,12 @@ def test_max_connections_and_idle_timeout(tmp_path: Path) -> None:
             "server.max_connections = 0: must be a whole number from 1 to 9223372036854775807",
         ),
         ('[storage]\nbackend = "nope"\n', "storage.backend = 'nope': unknown backend 'nope'"),
+        (
+            "[server.redis]\nport = 70000\n",
+            "server.redis.port = 70000: must be a whole number from 0 to 65535",
+        ),
+        ("[server.redis]\nprot = 1\n", "server.redis.prot = 1: unknown key; known keys: listen"),
+        ("[server]\nredis = 6379\n", "server.redis = 6379: must be a table"),
     ],
 )
 def test_bad_config_names_file_key_value_and_allowed(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import redis
 from conftest import Raw
 from pymemcache.client.base import Client
 from pymemcache.exceptions import MemcacheClientError, MemcacheUnexpectedCloseError
@@ -301,3 +302,48 @@ def test_unauthenticated_flood_is_bounded(auth_daemon: Daemon) -> None:
     with socket.create_connection(auth_daemon.address, timeout=5) as sock:
         sock.sendall(b"set x 0 0 11\r\nbob hunter2\r\nversion\r\n")
         assert sock.recv(100).startswith(b"STORED\r\n")
+
+
+# -- the Redis listener: the same TLS and users ------------------------------------
+
+
+@needs_openssl
+def test_redis_py_over_tls(tmp_path: Path, certs: Certs) -> None:
+    with Daemon(tmp_path, config_text=tls_config(certs), redis=True) as d:
+        host, port = d.redis_address
+        client = redis.Redis(
+            host=host, port=port, ssl=True, ssl_ca_certs=str(certs.ca), socket_timeout=10
+        )
+        assert client.lpush("tlsq", "secret") == 1
+        assert client.rpop("tlsq") == b"secret"
+        client.close()
+        plain = Raw(d.redis_address)
+        plain.send(b"PING\r\n")
+        assert plain.closed(wait=5)  # no TLS handshake: nothing is served
+
+
+def test_redis_clients_log_in_with_auth_or_hello(tmp_path: Path) -> None:
+    users = tmp_path / "users"
+    users.write_text("alice:s3cret pass\n")
+    config = f'[server.auth]\nusers_file = "{users}"\n'
+    with Daemon(tmp_path, config_text=config, redis=True) as d:
+        raw = Raw(d.redis_address)
+        noauth = b"-NOAUTH Authentication required.\r\n"
+        raw.call(b"PING\r\nLPUSH q x\r\n", noauth + noauth)
+        raw.call(
+            b"AUTH alice wrong\r\n",
+            b"-WRONGPASS invalid username-password pair or user is disabled.\r\n",
+        )
+        raw.call(b"PING\r\n", noauth)
+        raw.call(b'AUTH alice "s3cret pass"\r\nPING\r\n', b"+OK\r\n+PONG\r\n")
+        raw.close()
+        host, port = d.redis_address
+        # redis-py 8 logs in with HELLO 3 AUTH <user> <password>.
+        client = redis.Redis(host=host, port=port, username="alice", password="s3cret pass")
+        assert client.lpush("authq", "x") == 1
+        assert client.rpop("authq") == b"x"
+        client.close()
+        wrong = redis.Redis(host=host, port=port, username="alice", password="nope")
+        with pytest.raises(redis.AuthenticationError):
+            wrong.ping()
+    assert "authentication failed for user b'alice'" in d.log()
