@@ -219,7 +219,12 @@ class Connection(asyncio.Protocol):
                 reply: bytes | None
                 if self.locked:
                     reply = self._login(command) or await self._execute(command)
-                elif self.server.overlap and pending and _groups(command) and _groups(pending[0]):
+                elif (
+                    self.server.overlap
+                    and pending
+                    and self.groups(command)
+                    and self.groups(pending[0])
+                ):
                     await self._run_group(command)
                     continue
                 else:
@@ -295,7 +300,7 @@ class Connection(asyncio.Protocol):
         pending = self.pending
         execute = self._execute
         started = [start(execute(first))]
-        while pending and len(started) < GROUP_MAX and _groups(pending[0]):
+        while pending and len(started) < GROUP_MAX and self.groups(pending[0]):
             started.append(start(execute(pending.popleft())))
         if all(done for done, _ in started):
             self.server.overlap = False
@@ -303,6 +308,14 @@ class Connection(asyncio.Protocol):
             reply = outcome if done else await outcome
             if reply:
                 self._emit(reply)
+
+    @staticmethod
+    def groups(command: Any) -> bool:
+        """Whether `command` may start before the one ahead of it completes (one storage call)."""
+        kind = type(command)
+        return kind is Store or (
+            kind is Retrieve and len(command.keys) == 1 and command.keys[0].plain
+        )
 
     def _emit(self, reply: bytes) -> None:
         self.out.append(reply)
@@ -409,14 +422,6 @@ class Connection(asyncio.Protocol):
             self.out.append(protocol.error_line(command.error))
         if command.close:
             self.close()
-
-
-def _groups(command: protocol.Command) -> bool:
-    """Whether `command` may start before the one ahead of it completes."""
-    kind = type(command)
-    return kind is Store or (
-        kind is Retrieve and len(command.keys) == 1 and command.keys[0].plain  # type: ignore[union-attr]
-    )
 
 
 _Handler = Callable[[Connection, Any], Awaitable[bytes | None]]

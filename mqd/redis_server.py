@@ -37,6 +37,13 @@ NAMES_CACHE = 4096  # queue names whose validity a connection remembers
 _ids = itertools.count(1)
 
 
+# Requests that may start together (see RedisConnection.groups), by argument count.
+_GROUPED = {
+    3: frozenset({b"lpush", b"rpush", b"sadd"}),
+    2: frozenset({b"rpop", b"lpop", b"spop"}),
+}
+
+
 class RedisConnection(Connection):
     """One Redis client connection."""
 
@@ -72,6 +79,17 @@ class RedisConnection(Connection):
         except Exception:
             log.exception("redis command failed: %r", request[:1])
             return resp.error("internal error")
+
+    @staticmethod
+    def groups(request: Any) -> bool:
+        """Pushes of one value and pops of one message may start with those around them.
+
+        Their storage calls are then made in order in one turn of the loop, so a
+        group-committing backend flushes once for a pipeline of them. A push's
+        length reply is read after its store, so it may already count pops
+        pipelined behind it.
+        """
+        return type(request) is list and request[0].lower() in _GROUPED.get(len(request), ())
 
     def _login(self, request: Any) -> bytes:
         """Before a login only AUTH, HELLO and QUIT run (b"": run it); others: NOAUTH."""

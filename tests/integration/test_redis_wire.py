@@ -311,3 +311,18 @@ def test_a_push_reaches_fanout_children(red: Raw, raw: Raw, q: str) -> None:
     raw.call(b"get " + q.encode() + b"+audit\r\n", b"END\r\n")  # naming the child creates it
     red.call(request("LPUSH", q, "m"), b":1\r\n")
     red.call(request("RPOP", q + "+audit") + request("RPOP", q), b"$1\r\nm\r\n$1\r\nm\r\n")
+
+
+def test_pipelined_pushes_and_pops_on_a_durable_backend_stay_in_order(tmp_path: Path) -> None:
+    """On bdb, pipelined one-value pushes and pops start together: order must hold."""
+    with Daemon(tmp_path, backend="bdb", redis=True) as d:
+        conn = Raw(d.redis_address)
+        bodies = [b"m%02d" % i for i in range(40)]
+        conn.send(b"".join(request("RPUSH", "q", b) + request("RPOP", "q") for b in bodies[:20]))
+        conn.send(b"".join(request("LPUSH", "q", b) for b in bodies[20:]))
+        conn.send(b"".join(request("RPOP", "q") for _ in bodies[20:]) + request("RPOP", "q"))
+        replies = conn.read_until(b"$-1\r\n")
+        popped = [line for line in replies.split(b"\r\n") if line.startswith(b"m")]
+        assert popped == bodies
+        assert replies.count(b":") == 40
+        conn.close()
