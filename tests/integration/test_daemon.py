@@ -172,6 +172,8 @@ def test_bad_config_names_file_key_value_and_allowed(
         (["--port", "-5"], {}, "--port = -5: must be a whole number from 0 to 65535"),
         (["--port", "x"], {}, "--port = 'x': must be a whole number from 0 to 65535"),
         ([], {"MQD_PORT": "99999"}, "MQD_PORT = 99999: must be a whole number from 0 to 65535"),
+        (["--redis-port", "x"], {}, "--redis-port = 'x': must be a whole number from 0 to 65535"),
+        ([], {"MQD_REDIS_PORT": "-1"}, "MQD_REDIS_PORT = -1: must be a whole number from 0 to"),
         (["--loop", "fast"], {}, '--loop = \'fast\': must be one of "asyncio", "uvloop"'),
         ([], {"MQD_LOG_LEVEL": "loud"}, "MQD_LOG_LEVEL = 'loud': must be one of \"debug\""),
         ([], {"MQD_BACKEND": "nope"}, "MQD_BACKEND = 'nope': unknown backend 'nope'"),
