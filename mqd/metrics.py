@@ -280,8 +280,11 @@ class Metrics:
     # -- hooks called by the server for every command ----------------------
 
     def observe(self, command: Command, started: float) -> None:
+        self.observe_named(command_name(command), started)
+
+    def observe_named(self, name: str, started: float) -> None:
+        """A command's time under the label `name` (another wire names its own commands)."""
         seconds = time.perf_counter() - started
-        name = command_name(command)
         latency = self.latencies.get(name)
         if latency is None:
             latency = self.latencies[name] = Latencies()
@@ -289,13 +292,16 @@ class Metrics:
         latency.total += seconds
 
     def failed(self, command: Command, error: Exception) -> None:
+        self.failed_named(command_name(command), error)
+
+    def failed_named(self, name: str, error: Exception) -> None:
         if isinstance(error, StorageError):
             kind = "backend"
         elif not isinstance(error, ProtocolError):
             kind = "internal"
         else:
             return  # the client's mistake, not the daemon's
-        key = (kind, command_name(command))
+        key = (kind, name)
         self.errors[key] = self.errors.get(key, 0) + 1
 
     async def snapshot(self) -> Snapshot:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import redis
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pymemcache.client.base import Client
@@ -235,3 +236,18 @@ def test_every_queue_stat_has_its_metric() -> None:
     from mqd.protocol import QUEUE_STATS
 
     assert set(QUEUE) == set(QUEUE_STATS)
+
+
+def test_redis_commands_are_timed_under_their_names(tmp_path: Path) -> None:
+    port = free_port()
+    config = f'[metrics]\nlisten = "127.0.0.1"\nport = {port}\n'
+    with Daemon(tmp_path, config_text=config, redis=True) as daemon:
+        host, redis_port = daemon.redis_address
+        client = redis.Redis(host=host, port=redis_port)
+        client.lpush("q", "x")
+        client.rpop("q")
+        client.close()
+        found = samples(scrape(Metered(daemon, f"http://127.0.0.1:{port}")))
+    count = "mqd_command_duration_seconds_count"
+    assert found[(count, (("command", "redis_lpush"),))] == 1
+    assert found[(count, (("command", "redis_rpop"),))] == 1
