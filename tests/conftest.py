@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 import uuid
@@ -153,3 +154,12 @@ def value(key: str, body: bytes, flags: int = 0) -> bytes:
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+@contextlib.contextmanager
+def taken_port() -> Iterator[int]:
+    """A loopback port another socket listens on, for start-up errors."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield int(taken.getsockname()[1])

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import pytest
 import redis
+from conftest import taken_port
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pymemcache.client.base import Client
@@ -158,12 +159,7 @@ def test_a_bad_metrics_port_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_a_taken_metrics_port_stops_start_up_with_one_line(tmp_path: Path) -> None:
-    import socket
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+    with taken_port() as port:
         daemon = Daemon(tmp_path, config_text=f"[metrics]\nport = {port}\n")
         with pytest.raises(RuntimeError, match="exited"):
             daemon.start()

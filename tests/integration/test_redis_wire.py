@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Raw, store, value
+from conftest import Raw, store, taken_port, value
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -238,10 +237,7 @@ def test_the_config_table_turns_the_listener_on(tmp_path: Path) -> None:
 
 
 def test_a_taken_redis_port_stops_start_up_with_a_clear_error(tmp_path: Path) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+    with taken_port() as port:
         daemon = Daemon(tmp_path, config_text=f"[server.redis]\nport = {port}\n")
         with pytest.raises(RuntimeError, match=f"server.redis: cannot listen on 127.0.0.1:{port}"):
             daemon.start()
