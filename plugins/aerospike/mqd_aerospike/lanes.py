@@ -63,10 +63,13 @@ class Lanes:
         self._lanes: dict[tuple[str, int], _Lane] = {}
         self.tasks: set[asyncio.Task[None]] = set()
 
-    def busy(self, queue: str, shard: int) -> bool:
-        """Whether a cycle is under way on the shard (what is submitted now joins the next)."""
+    def busy(self, queue: str, shard: int) -> str:
+        """ "cycle" when a cycle is under way on the shard (what is submitted now joins
+        the next), "kept" when its lock is kept waiting for more, else ""."""
         lane = self._lanes.get((queue, shard))
-        return lane is not None and lane.running and not lane.lingering
+        if lane is None or not lane.running:
+            return ""
+        return KEPT if lane.lingering else "cycle"
 
     def submit(self, queue: str, shard: int, op: Op, shards: int = 1) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
