@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-CANDIDATES = (REPO.parent / "shared" / "aerospike", Path("/work/shared/aerospike"))
+CANDIDATES = (REPO.parent / "shared" / "aerospike",)
 
 
 def server_dir() -> Path | None:
