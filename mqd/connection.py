@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 from mqd import __version__, protocol
 from mqd.backend import Put
 from mqd.broker import Session
-from mqd.eager import run_eagerly, start
+from mqd.eager import finish, start
 from mqd.errors import ProtocolError, ServerError, StorageError, UnknownCommand
 from mqd.protocol import (
     REPLY,
@@ -53,6 +53,7 @@ ADMIT_RETRY = 0.05  # ... looking every this often
 REFUSED_LINGER = 0.5  # seconds a refused client has to read its error line
 TOO_MANY_CONNECTIONS = b"ERROR Too many open connections\r\n"
 END = REPLY["end"]
+PUT_STORED = Put.STORED
 STORED = REPLY["stored"]
 UNAUTHENTICATED = b"CLIENT_ERROR unauthenticated\r\n"
 BAD_TOKEN = b"CLIENT_ERROR bad authentication token format\r\n"
@@ -199,9 +200,13 @@ class Connection(asyncio.Protocol):
         message), and running them directly here saves creating a task for
         every read, which costs more than parsing and executing a command.
         """
-        self.task = run_eagerly(self.drain())
-        if self.task is not None:
-            self.server.overlap = True  # something waited: overlapping may pay again
+        step = self.drain()
+        try:  # run_eagerly(), inline: this is every read's path
+            waiting_on = step.send(None)
+        except StopIteration:
+            return
+        self.task = asyncio.get_running_loop().create_task(finish(step, waiting_on))
+        self.server.overlap = True  # something waited: overlapping may pay again
 
     async def drain(self) -> None:
         """Run every pending command in order, gathering replies; then send them.
@@ -211,22 +216,58 @@ class Connection(asyncio.Protocol):
         """
         try:
             pending = self.pending
+            server = self.server
+            broker = self.broker
             while pending and not self.closed:
                 if self._writable is not None:  # the client is not reading its replies
                     self.flush()
                     await self._writable
                 command = pending.popleft()
+                kind = type(command)
                 reply: bytes | None
-                if self.locked:
-                    reply = self._login(command) or await self._execute(command)
+                if self.locked or server.overlap or server.metrics is not None:
+                    if self.locked:
+                        reply = self._login(command) or await self._execute(command)
+                    elif (
+                        server.overlap
+                        and pending
+                        and self.groups(command)
+                        and self.groups(pending[0])
+                    ):
+                        await self._run_group(command)
+                        continue
+                    else:
+                        reply = await self._execute(command)
+                # The two commands that carry the load, run here rather than
+                # through _execute: one coroutine fewer for each.
+                elif kind is Store:
+                    try:
+                        stored = await broker.store(command)  # type: ignore[arg-type]
+                    except Exception as error:
+                        reply = self._failure(command, error)
+                    else:
+                        reply = (
+                            STORED
+                            if stored is PUT_STORED and not command.noreply  # type: ignore[union-attr]
+                            else _store_reply(command, stored)  # type: ignore[arg-type]
+                        )
                 elif (
-                    self.server.overlap
-                    and pending
-                    and self.groups(command)
-                    and self.groups(pending[0])
+                    kind is Retrieve
+                    and len(keys := command.keys) == 1  # type: ignore[union-attr]
+                    and keys[0].plain
+                    and not command.with_ids  # type: ignore[union-attr]
                 ):
-                    await self._run_group(command)
-                    continue
+                    key = keys[0]
+                    try:
+                        message = await broker.take(key.queue)
+                    except Exception as error:
+                        reply = self._failure(command, error)
+                    else:
+                        reply = (
+                            END
+                            if message is None
+                            else protocol.single_value(key.raw, message.flags, message.body)
+                        )
                 else:
                     reply = await self._execute(command)
                 if reply:  # as _emit does, inline on the hot path
@@ -253,14 +294,9 @@ class Connection(asyncio.Protocol):
         metrics = self.server.metrics
         started = time.perf_counter() if metrics is not None else 0.0
         try:
-            # The two commands that carry the load skip the dispatch table.
             if kind is Store:
                 stored = await self.broker.store(command)  # type: ignore[arg-type]
-                if command.noreply:  # type: ignore[union-attr]
-                    return None
-                if stored is Put.STORED:
-                    return STORED
-                return protocol.store_reply(command, stored)  # type: ignore[arg-type]
+                return _store_reply(command, stored)  # type: ignore[arg-type]
             if kind is Retrieve:
                 keys = command.keys  # type: ignore[union-attr]
                 if len(keys) > GET_PIECE and all(k.plain or k.peek or k.at for k in keys):
@@ -268,23 +304,29 @@ class Connection(asyncio.Protocol):
                 hits = await self.broker.retrieve(command, self.session)  # type: ignore[arg-type]
                 return protocol.values_reply(hits, command.with_ids)  # type: ignore[union-attr]
             return await _DISPATCH[kind](self, command)
-        except StorageError as error:
+        except Exception as error:
+            return self._failure(command, error)
+        finally:
+            if metrics is not None:
+                metrics.observe(command, started)
+
+    def _failure(self, command: protocol.Command, error: Exception) -> bytes | None:
+        """The reply to a command that raised `error` (None: noreply), logged and counted."""
+        metrics = self.server.metrics
+        noreply = getattr(command, "noreply", False)
+        if isinstance(error, StorageError):
             self.server.storage_failed(
                 "storage error in %s: %s", self.server.config.data_dir, error
             )
             if metrics is not None:
                 metrics.failed(command, error)
-            return None if getattr(command, "noreply", False) else protocol.error_line(error)
-        except ProtocolError as error:
-            return None if getattr(command, "noreply", False) else protocol.error_line(error)
-        except Exception as error:
-            if metrics is not None:
-                metrics.failed(command, error)
-            log.exception("command failed: %r", command)
-            return protocol.error_line(ServerError("internal error"))
-        finally:
-            if metrics is not None:
-                metrics.observe(command, started)
+            return None if noreply else protocol.error_line(error)
+        if isinstance(error, ProtocolError):
+            return None if noreply else protocol.error_line(error)
+        if metrics is not None:
+            metrics.failed(command, error)
+        log.exception("command failed: %r", command, exc_info=error)
+        return protocol.error_line(ServerError("internal error"))
 
     async def _run_group(self, first: protocol.Command) -> None:
         """Start `first` and the sets and plain gets right behind it together; reply in order.
@@ -422,6 +464,12 @@ class Connection(asyncio.Protocol):
             self.out.append(protocol.error_line(command.error))
         if command.close:
             self.close()
+
+
+def _store_reply(command: Store, stored: Put) -> bytes | None:
+    if command.noreply:
+        return None
+    return STORED if stored is Put.STORED else protocol.store_reply(command, stored)
 
 
 _Handler = Callable[[Connection, Any], Awaitable[bytes | None]]

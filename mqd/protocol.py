@@ -362,9 +362,22 @@ class Parser:
                     block = pos + int(nbytes) + 2 if nbytes.isdigit() else 0
                     # 0 < block: compiled by mypyc, a negative slice start is an error.
                     if 0 < block <= size and data[block - 2 : block] == b"\r\n":
-                        store = self._set(tokens, data[pos : block - 2])
-                        if store is not None:
-                            out.append(store)
+                        # A plain set whose block is complete. Only what is
+                        # surely in range is taken here (9 digits < 2**32,
+                        # 18 < 2**63); anything else takes the general path,
+                        # whose checks are the rule. Inline: every set comes here.
+                        queue = self._names.get(tokens[1])
+                        flags, exptime = tokens[2], tokens[3]
+                        if (
+                            queue is not None
+                            and flags.isdigit()
+                            and exptime.isdigit()
+                            and len(flags) <= 9
+                            and len(exptime) <= 18
+                            and block - 2 - pos <= self.max_item_size
+                        ):
+                            body = data[pos : block - 2]
+                            out.append(Store(False, queue, int(flags), int(exptime), body, False))
                             pos = block
                             continue
             command = self._command(line)
@@ -405,18 +418,6 @@ class Parser:
                 return Failed(ClientError(f"{name} not supported"), tokens[-1] == b"noreply")
             return Failed(UnknownCommand())
         return handler(self, tokens)
-
-    def _set(self, tokens: list[bytes], body: bytes) -> Store | None:
-        """A plain `set` whose block is complete, or None to take the general path."""
-        queue = self._names.get(tokens[1])
-        flags, exptime = tokens[2], tokens[3]
-        # Only what is surely in range here (9 digits < 2**32, 18 < 2**63);
-        # anything else takes the general path, whose checks are the rule.
-        if queue is None or not flags.isdigit() or not exptime.isdigit():
-            return None
-        if len(flags) > 9 or len(exptime) > 18 or len(body) > self.max_item_size:
-            return None
-        return Store(False, queue, int(flags), int(exptime), body, False)
 
     def _name(self, raw: bytes) -> str | None:
         names = self._names
