@@ -225,19 +225,15 @@ class Connection(asyncio.Protocol):
                 command = pending.popleft()
                 kind = type(command)
                 reply: bytes | None
-                if self.locked or server.overlap or server.metrics is not None:
-                    if self.locked:
-                        reply = self._login(command) or await self._execute(command)
-                    elif (
-                        server.overlap
-                        and pending
-                        and self.groups(command)
-                        and self.groups(pending[0])
-                    ):
-                        await self._run_group(command)
-                        continue
-                    else:
-                        reply = await self._execute(command)
+                if self.locked:
+                    reply = self._login(command) or await self._execute(command)
+                elif (
+                    server.overlap and pending and self.groups(command) and self.groups(pending[0])
+                ):
+                    await self._run_group(command)
+                    continue
+                elif server.metrics is not None:
+                    reply = await self._execute(command)
                 # The two commands that carry the load, run here rather than
                 # through _execute: one coroutine fewer for each.
                 elif kind is Store:
@@ -369,7 +365,7 @@ class Connection(asyncio.Protocol):
         """Send every reply gathered so far."""
         out = self.out
         if out and self.transport is not None and not self.closed:
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            self.transport.write(b"".join(out))  # one reply: join returns it, no copy
         out.clear()
         self.out_bytes = 0
 
