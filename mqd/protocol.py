@@ -311,6 +311,8 @@ class Parser:
             self._chunks.append(data)
             self._have += len(data)
             return []
+        if self._have and not self._need and not self._swallow and b"\n" not in data:
+            return self._line_piece(data)
         if self._chunks:
             data = self._rest + b"".join(self._chunks) + data
             self._chunks.clear()
@@ -387,6 +389,22 @@ class Parser:
         self._have = size - pos
         return out
 
+    def _line_piece(self, data: bytes) -> list[Command]:
+        """More of a line whose newline has not come: kept, not joined to what is held.
+
+        Joining at every read, and looking for the newline from the line's
+        start, would cost time quadratic in the line's length when it comes
+        in small reads; the pieces are joined once, when the newline comes.
+        """
+        if self._chunks or len(self._rest) >= 5:
+            self._chunks.append(data)
+        else:
+            self._rest += data  # the line's first bytes together: _line_limit reads them
+        self._have += len(data)
+        if self._have > MAX_LINE and self._have > self._line_limit(self._rest, 0):
+            return [self._too_long()]
+        return []
+
     @staticmethod
     def _line_limit(data: bytes, pos: int) -> int:
         if data.startswith(b"get ", pos) or data.startswith(b"gets ", pos):
@@ -396,6 +414,7 @@ class Parser:
     def _too_long(self) -> Failed:
         self.closed = True
         self._rest = b""
+        self._chunks.clear()
         return Failed(ClientError(LINE_TOO_LONG), close=True)
 
     def _finish_store(self, data: bytes, start: int, end: int) -> Command:
