@@ -339,24 +339,20 @@ class Broker:
             return await self._peek(queue)
         if key.open:
             return await self._open(queue, session)
-        return await self._take(queue)
+        return await self.take(queue, counted=False)
 
     def _child_limits(self, child: str) -> Limits:
         """A fanout child's limits: its own settings, by its own name."""
         return self.state(child).limits
 
-    async def take(self, queue: str) -> Message | None:
-        """A plain `get <queue>`: the head message, or None; counted as one get."""
-        counters = self.counters
-        counters.cmd_get += 1
-        message = await self._take(queue)
-        if message is None:
-            counters.get_misses += 1
-        else:
-            counters.get_hits += 1
-        return message
+    async def take(self, queue: str, *, counted: bool = True) -> Message | None:
+        """The head message of `queue`, or None: a plain `get <queue>`, counted as one get.
 
-    async def _take(self, queue: str) -> Message | None:
+        Not `counted`: a key of a larger get, which counts its keys itself.
+        """
+        counters = self.counters
+        if counted:
+            counters.cmd_get += 1
         state = self._queues.get(queue) or self.state(queue)
         if self._stamp:
             state.used = time.monotonic()
@@ -366,12 +362,18 @@ class Broker:
                 if "+" in queue:
                     # A fanout child comes into being the first time it is named.
                     await self.backend.create(queue, sync=state.settings.sync)
-                return None
+                break
             if message.expires and message.expires <= time.time():  # _expired, inline
                 state.expired += 1
                 continue
             state.dequeued += 1
-            return message
+            break
+        if counted:
+            if message is None:
+                counters.get_misses += 1
+            else:
+                counters.get_hits += 1
+        return message
 
     async def _peek(self, queue: str) -> Message | None:
         state = self.state(queue)

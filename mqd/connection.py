@@ -138,24 +138,38 @@ class Connection(asyncio.Protocol):
                 assert self.transport is not None
                 self.transport.pause_reading()
             return
-        commands = self.parser.feed(data)
+        parser = self.parser
+        commands = parser.feed(data)
         now = time.monotonic()
         if not commands:
             if not self.command_started:
                 self.command_started = now
             return
         self.last_active = now
-        self.command_started = now if self.parser.partial else 0.0
-        self.pending.extend(commands)
+        self.command_started = now if parser.partial else 0.0
+        pending = self.pending
+        pending.extend(commands)
         self.pending_bytes += len(data)
         if (
-            len(self.pending) > PENDING_HIGH or self.pending_bytes > INPUT_HIGH
+            len(pending) > PENDING_HIGH or self.pending_bytes > INPUT_HIGH
         ) and not self._reading_paused:
             assert self.transport is not None
             self.transport.pause_reading()
             self._reading_paused = True
-        if self.task is None:
-            self.process()
+        if self.task is not None:
+            return  # the running drain() takes them in turn
+        # Run them now, until one has to wait; a task finishes the rest. Most
+        # commands never wait (the memory backend, a get that finds a
+        # message), and running them directly here saves creating a task for
+        # every read, which costs more than parsing and executing a command.
+        # (eager.run_eagerly, inline: this is every read's path.)
+        step = self.drain()
+        try:
+            waiting_on = step.send(None)
+        except StopIteration:
+            return
+        self.task = asyncio.get_running_loop().create_task(finish(step, waiting_on))
+        self.server.overlap = True  # something waited: overlapping may pay again
 
     @property
     def reading_paused(self) -> bool:
@@ -193,21 +207,6 @@ class Connection(asyncio.Protocol):
 
     # -- running commands ----------------------------------------------------
 
-    def process(self) -> None:
-        """Run pending commands now, until one has to wait; a task finishes the rest.
-
-        Most commands never wait (the memory backend, a get that finds a
-        message), and running them directly here saves creating a task for
-        every read, which costs more than parsing and executing a command.
-        """
-        step = self.drain()
-        try:  # run_eagerly(), inline: this is every read's path
-            waiting_on = step.send(None)
-        except StopIteration:
-            return
-        self.task = asyncio.get_running_loop().create_task(finish(step, waiting_on))
-        self.server.overlap = True  # something waited: overlapping may pay again
-
     async def drain(self) -> None:
         """Run every pending command in order, gathering replies; then send them.
 
@@ -218,6 +217,7 @@ class Connection(asyncio.Protocol):
             pending = self.pending
             server = self.server
             broker = self.broker
+            out = self.out
             while pending and not self.closed:
                 if self._writable is not None:  # the client is not reading its replies
                     self.flush()
@@ -267,7 +267,7 @@ class Connection(asyncio.Protocol):
                 else:
                     reply = await self._execute(command)
                 if reply:  # as _emit does, inline on the hot path
-                    self.out.append(reply)
+                    out.append(reply)
                     self.out_bytes += len(reply)
                     if self.out_bytes >= FLUSH_AT:
                         self.flush()

@@ -293,14 +293,12 @@ class Parser:
         self._swallow = 0  # bytes still to discard
         self._after_swallow: Failed | None = None
         self.closed = False  # set after a fatal error; feed() then returns nothing
+        # Whether part of a command has arrived and the rest has not: set by
+        # feed() (an attribute, not a property: it is read after every read).
+        self.partial = False
         # Keys and names are parsed once per connection (bounded: client-chosen).
         self._keys: dict[bytes, Key | None] = {}
         self._names: dict[bytes, str | None] = {}
-
-    @property
-    def partial(self) -> bool:
-        """Whether part of a command has arrived and the rest has not."""
-        return bool(self._have or self._need or self._swallow)
 
     def feed(self, data: bytes) -> list[Command]:
         """Take more input and return every command it completes, in order."""
@@ -310,6 +308,7 @@ class Parser:
             # Most of a large value: keep the pieces, join them once at the end.
             self._chunks.append(data)
             self._have += len(data)
+            self.partial = True
             return []
         if self._have and not self._need and not self._swallow and b"\n" not in data:
             return self._line_piece(data)
@@ -387,6 +386,7 @@ class Parser:
                 out.append(command)
         self._rest = data[pos:]
         self._have = size - pos
+        self.partial = bool(self._have or self._need or self._swallow)
         return out
 
     def _line_piece(self, data: bytes) -> list[Command]:
@@ -401,6 +401,7 @@ class Parser:
         else:
             self._rest += data  # the line's first bytes together: _line_limit reads them
         self._have += len(data)
+        self.partial = True
         if self._have > MAX_LINE and self._have > self._line_limit(self._rest, 0):
             return [self._too_long()]
         return []
@@ -415,6 +416,8 @@ class Parser:
         self.closed = True
         self._rest = b""
         self._chunks.clear()
+        self._have = self._need = self._swallow = 0
+        self.partial = False
         return Failed(ClientError(LINE_TOO_LONG), close=True)
 
     def _finish_store(self, data: bytes, start: int, end: int) -> Command:
