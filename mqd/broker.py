@@ -28,6 +28,7 @@ from typing import Any
 from mqd import protocol, stats
 from mqd.backend import (
     NO_LIMITS,
+    PUT_STORED,
     Backend,
     Capability,
     Limits,
@@ -236,7 +237,7 @@ class Broker:
             limits=state.limits,
             fanout=self._fanout,
         )
-        if result is Put.STORED:
+        if result is PUT_STORED:
             state.enqueued += 1
             if state.waiters:
                 self._wake(state, queue)

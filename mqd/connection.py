@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from mqd import __version__, protocol
-from mqd.backend import Put
+from mqd.backend import PUT_STORED, Put
 from mqd.broker import Session
 from mqd.eager import finish, start
 from mqd.errors import ProtocolError, ServerError, StorageError, UnknownCommand
@@ -53,7 +53,6 @@ ADMIT_RETRY = 0.05  # ... looking every this often
 REFUSED_LINGER = 0.5  # seconds a refused client has to read its error line
 TOO_MANY_CONNECTIONS = b"ERROR Too many open connections\r\n"
 END = REPLY["end"]
-PUT_STORED = Put.STORED
 STORED = REPLY["stored"]
 UNAUTHENTICATED = b"CLIENT_ERROR unauthenticated\r\n"
 BAD_TOKEN = b"CLIENT_ERROR bad authentication token format\r\n"
@@ -465,7 +464,7 @@ class Connection(asyncio.Protocol):
 def _store_reply(command: Store, stored: Put) -> bytes | None:
     if command.noreply:
         return None
-    return STORED if stored is Put.STORED else protocol.store_reply(command, stored)
+    return STORED if stored is PUT_STORED else protocol.store_reply(command, stored)
 
 
 _Handler = Callable[[Connection, Any], Awaitable[bytes | None]]

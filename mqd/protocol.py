@@ -384,9 +384,14 @@ class Parser:
             command = self._command(line)
             if command is not None:
                 out.append(command)
-        self._rest = data[pos:]
-        self._have = size - pos
-        self.partial = bool(self._have or self._need or self._swallow)
+        if pos < size:
+            self._rest = data[pos:]
+            self._have = size - pos
+            self.partial = True
+        else:  # the usual end of a read: nothing of a line held
+            self._rest = b""
+            self._have = 0
+            self.partial = self._need > 0 or self._swallow > 0
         return out
 
     def _line_piece(self, data: bytes) -> list[Command]:

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from mqd.backend import (
     NO_LIMITS,
+    PUT_STORED,
     Backend,
     Capability,
     Fanout,
@@ -265,7 +266,7 @@ class MemoryBackend(Backend):
         if fanout is not None and store.children and queue in store.children:
             for child in store.children[queue]:
                 self._copy(child, message, fanout(child))
-        return Put.STORED
+        return PUT_STORED
 
     def _copy(self, child: str, message: Message, limits: Limits) -> None:
         """A fanout child's own copy of a message stored in its parent."""
