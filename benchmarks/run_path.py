@@ -28,14 +28,13 @@ import importlib
 import json
 import os
 import pstats
-import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from harness import fmt_ratio, print_table, revision
+from harness import child_json, fmt_ratio, print_table, revision
 
 BODY = b"x" * 100
 SET = b"set q1 0 0 %d\r\n%b\r\n" % (len(BODY), BODY)
@@ -145,19 +144,10 @@ async def _measure(commands: int) -> dict[str, Any]:
 
 def _run(pure: bool, commands: int, tree: str | None = None) -> dict[str, Any]:
     """Measure in a fresh interpreter; `tree`: another checkout whose mqd it imports."""
-    env = {**os.environ, "MQD_PURE_PYTHON": "1" if pure else "0"}
+    env = {"MQD_PURE_PYTHON": "1" if pure else "0"}
     if tree is not None:
         env["PYTHONPATH"] = tree
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", "--commands", str(commands)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"measuring failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout)
+    result: dict[str, Any] = child_json(__file__, ["--commands", str(commands)], env)
     return result
 
 

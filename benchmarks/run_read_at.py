@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from harness import fmt_rate, fmt_ratio, print_table, revision
+from harness import child_json, fmt_rate, fmt_ratio, print_table, revision
 
 
 async def _measure(messages: int, reads: int) -> dict[str, float]:
@@ -63,19 +61,9 @@ async def _measure(messages: int, reads: int) -> dict[str, float]:
 
 
 def _run(messages: int, reads: int, tree: str | None) -> dict[str, float]:
-    env = dict(os.environ)
-    if tree is not None:
-        env["PYTHONPATH"] = tree
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", "--messages", str(messages), "--reads", str(reads)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"measuring failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, float] = json.loads(proc.stdout)
+    env = {} if tree is None else {"PYTHONPATH": tree}
+    args = ["--messages", str(messages), "--reads", str(reads)]
+    result: dict[str, float] = child_json(__file__, args, env)
     return result
 
 
