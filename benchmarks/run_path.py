@@ -40,6 +40,9 @@ BODY = b"x" * 100
 SET = b"set q1 0 0 %d\r\n%b\r\n" % (len(BODY), BODY)
 GET = b"get q1\r\n"
 SHAPES = {"16 per read": [(SET + GET) * 8], "1 per read": [SET, GET]}
+# Sets and gets apart: a round's sets, timed, then as many gets, timed.
+APART = {"16 per read": (SET * 16, GET * 16), "1 per read": (SET, GET)}
+APART_COLUMNS = [f"{verb}, {shape}" for shape in APART for verb in ("set", "get")]
 ROUND = 2048  # commands per timed round
 LAYERS = {  # file name -> layer (files not listed count as "other")
     "protocol.py": "protocol (parser, replies)",
@@ -137,9 +140,29 @@ async def _measure(commands: int) -> dict[str, Any]:
                 )
             total = sum(split.values())
             out["split"][shape] = {k: v / total for k, v in split.most_common()}
+    out["apart"] = _apart(conn, commands)
     if transport.sent == 0:
         raise RuntimeError("the connection sent no replies")
     return out
+
+
+def _apart(conn: Any, commands: int) -> dict[str, float]:
+    """ns per set and per get, each timed alone, in each shape (best rounds)."""
+    found: dict[str, float] = {}
+    for shape, (sets, gets) in APART.items():
+        per_read = sets.count(b"set ")
+        reads_per_round = max(1, ROUND // 2 // per_read)
+        best = {"set": float("inf"), "get": float("inf")}
+        for _ in range(max(9, commands // ROUND)):
+            for verb, data in (("set", sets), ("get", gets)):
+                t0 = time.perf_counter()
+                for _ in range(reads_per_round):
+                    conn.data_received(data)
+                spent = (time.perf_counter() - t0) / (reads_per_round * per_read)
+                best[verb] = min(best[verb], spent)
+        for verb, spent in best.items():
+            found[f"{verb}, {shape}"] = spent * 1e9
+    return found
 
 
 def _run(pure: bool, commands: int, tree: str | None = None) -> dict[str, Any]:
@@ -190,6 +213,19 @@ def main(argv: list[str] | None = None) -> int:
         f"rounds of {ROUND} commands, in each of {a.repeat} interpreter(s))",
         ["mqd", "modules", *(f"{s} ns" for s in SHAPES), *(f"{s} /pure" for s in SHAPES)],
         rows,
+    )
+    apart = {
+        n: {c: min(r["apart"][c] for r in rs) for c in APART_COLUMNS} for n, rs in runs.items()
+    }
+    print_table(
+        "sets and gets apart, ns of CPU per command (same interpreters)",
+        ["mqd", *(f"{c} ns" for c in APART_COLUMNS), *(f"{c} /pure" for c in APART_COLUMNS)],
+        [
+            [name]
+            + [f"{apart[name][c]:.0f}" for c in APART_COLUMNS]
+            + [fmt_ratio(apart[name][c], apart["pure"][c]) for c in APART_COLUMNS]
+            for name in runs
+        ],
     )
     pure = runs["pure"][0]
     layers = sorted({k for split in pure["split"].values() for k in split})
