@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -141,6 +142,23 @@ def revision(directory: Path) -> str:
         check=False,
     ).stdout.strip()
     return (rev or directory.name) + ("+" if dirty else "")
+
+
+def child_json(script: str, args: Sequence[str], env: dict[str, str]) -> Any:
+    """Run `script --child args` in a fresh interpreter with `env` added; the JSON it prints.
+
+    How the in-process benchmarks measure each checkout or path on its own.
+    """
+    proc = subprocess.run(
+        [sys.executable, script, "--child", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"measuring failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout)
 
 
 def add_checkout_options(p: argparse.ArgumentParser) -> None:

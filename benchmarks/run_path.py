@@ -28,19 +28,21 @@ import importlib
 import json
 import os
 import pstats
-import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from harness import fmt_ratio, print_table, revision
+from harness import child_json, fmt_ratio, print_table, revision
 
 BODY = b"x" * 100
 SET = b"set q1 0 0 %d\r\n%b\r\n" % (len(BODY), BODY)
 GET = b"get q1\r\n"
 SHAPES = {"16 per read": [(SET + GET) * 8], "1 per read": [SET, GET]}
+# Sets and gets apart: a round's sets, timed, then as many gets, timed.
+APART = {"16 per read": (SET * 16, GET * 16), "1 per read": (SET, GET)}
+APART_COLUMNS = [f"{verb}, {shape}" for shape in APART for verb in ("set", "get")]
 ROUND = 2048  # commands per timed round
 LAYERS = {  # file name -> layer (files not listed count as "other")
     "protocol.py": "protocol (parser, replies)",
@@ -138,26 +140,37 @@ async def _measure(commands: int) -> dict[str, Any]:
                 )
             total = sum(split.values())
             out["split"][shape] = {k: v / total for k, v in split.most_common()}
+    out["apart"] = _apart(conn, commands)
     if transport.sent == 0:
         raise RuntimeError("the connection sent no replies")
     return out
 
 
+def _apart(conn: Any, commands: int) -> dict[str, float]:
+    """ns per set and per get, each timed alone, in each shape (best rounds)."""
+    found: dict[str, float] = {}
+    for shape, (sets, gets) in APART.items():
+        per_read = sets.count(b"set ")
+        reads_per_round = max(1, ROUND // 2 // per_read)
+        best = {"set": float("inf"), "get": float("inf")}
+        for _ in range(max(9, commands // ROUND)):
+            for verb, data in (("set", sets), ("get", gets)):
+                t0 = time.perf_counter()
+                for _ in range(reads_per_round):
+                    conn.data_received(data)
+                spent = (time.perf_counter() - t0) / (reads_per_round * per_read)
+                best[verb] = min(best[verb], spent)
+        for verb, spent in best.items():
+            found[f"{verb}, {shape}"] = spent * 1e9
+    return found
+
+
 def _run(pure: bool, commands: int, tree: str | None = None) -> dict[str, Any]:
     """Measure in a fresh interpreter; `tree`: another checkout whose mqd it imports."""
-    env = {**os.environ, "MQD_PURE_PYTHON": "1" if pure else "0"}
+    env = {"MQD_PURE_PYTHON": "1" if pure else "0"}
     if tree is not None:
         env["PYTHONPATH"] = tree
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", "--commands", str(commands)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"measuring failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout)
+    result: dict[str, Any] = child_json(__file__, ["--commands", str(commands)], env)
     return result
 
 
@@ -200,6 +213,19 @@ def main(argv: list[str] | None = None) -> int:
         f"rounds of {ROUND} commands, in each of {a.repeat} interpreter(s))",
         ["mqd", "modules", *(f"{s} ns" for s in SHAPES), *(f"{s} /pure" for s in SHAPES)],
         rows,
+    )
+    apart = {
+        n: {c: min(r["apart"][c] for r in rs) for c in APART_COLUMNS} for n, rs in runs.items()
+    }
+    print_table(
+        "sets and gets apart, ns of CPU per command (same interpreters)",
+        ["mqd", *(f"{c} ns" for c in APART_COLUMNS), *(f"{c} /pure" for c in APART_COLUMNS)],
+        [
+            [name]
+            + [f"{apart[name][c]:.0f}" for c in APART_COLUMNS]
+            + [fmt_ratio(apart[name][c], apart["pure"][c]) for c in APART_COLUMNS]
+            for name in runs
+        ],
     )
     pure = runs["pure"][0]
     layers = sorted({k for split in pure["split"].values() for k in split})

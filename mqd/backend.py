@@ -60,6 +60,11 @@ class Put(enum.Enum):
     FULL = "full"  # the limits allow no more and nothing may be dropped: nothing stored
 
 
+#: Put.STORED for the per-command paths: an enum member read off its class
+#: costs a class attribute lookup (~50 ns here), a module global does not.
+PUT_STORED = Put.STORED
+
+
 @dataclass(frozen=True, slots=True)
 class Receipt:
     """Names one reservation and no other.

@@ -27,6 +27,8 @@ from typing import Any
 
 from mqd import protocol, stats
 from mqd.backend import (
+    NO_LIMITS,
+    PUT_STORED,
     Backend,
     Capability,
     Limits,
@@ -98,9 +100,9 @@ class QueueState:
 
     def configure(self, settings: QueueSettings) -> None:
         self.settings = settings
-        self.limits = Limits(
-            settings.max_items, settings.max_bytes, settings.overflow == "drop_oldest"
-        )
+        limits = Limits(settings.max_items, settings.max_bytes, settings.overflow == "drop_oldest")
+        # The shared instance when unbounded: a backend can tell by identity, no call.
+        self.limits = limits if limits else NO_LIMITS
 
     def idle(self) -> bool:
         """Nothing here that forgetting would lose but counters."""
@@ -132,6 +134,10 @@ class Broker:
         self._shared = Capability.SHARED in backend.capabilities
         self._loops: list[asyncio.Task[None]] = []  # periodic work, cancelled at stop
         self._pending_flush: asyncio.TimerHandle | None = None
+        self._fanout = self._child_limits  # one bound method, not one per set
+        # Whether commands stamp QueueState.used: only idle expiry reads it,
+        # and a clock read per command is a measurable part of its cost.
+        self._stamp = config.idle_expiry_used
         self.stopping = False
 
     # -- lifecycle ---------------------------------------------------------
@@ -176,8 +182,12 @@ class Broker:
     def reconfigure(self, config: Config) -> None:
         """Apply new per-queue settings (SIGHUP)."""
         self.config = config
+        now = time.monotonic()
+        stamped, self._stamp = self._stamp, config.idle_expiry_used
         for name, state in self._queues.items():
             state.configure(config.queue_settings(name))
+            if not stamped:
+                state.used = now  # not stamped until now: idle from here on
 
     def state(self, queue: str) -> QueueState:
         """The queue's state, made on first use."""
@@ -206,7 +216,8 @@ class Broker:
         self.counters.cmd_set += 1
         queue = command.queue
         state = self._queues.get(queue) or self.state(queue)
-        state.used = time.monotonic()
+        if self._stamp:
+            state.used = time.monotonic()
         settings = state.settings
         unique = command.add or settings.unique
         if unique and not self._unique:
@@ -224,9 +235,9 @@ class Broker:
             sync=settings.sync,
             unique=unique,
             limits=state.limits,
-            fanout=self._child_limits,
+            fanout=self._fanout,
         )
-        if result is Put.STORED:
+        if result is PUT_STORED:
             state.enqueued += 1
             if state.waiters:
                 self._wake(state, queue)
@@ -239,14 +250,8 @@ class Broker:
         keys = command.keys
         if len(keys) == 1 and keys[0].plain:
             # `get <queue>`: what most consumers send, without the general machinery.
-            key = keys[0]
-            self.counters.cmd_get += 1
-            message = await self._take(key.queue)
-            if message is None:
-                self.counters.get_misses += 1
-                return []
-            self.counters.get_hits += 1
-            return [(key, message)]
+            message = await self.take(keys[0].queue)
+            return [] if message is None else [(keys[0], message)]
         self._check_keys(keys, session)
         self.counters.cmd_get += len(keys)
         loop = asyncio.get_running_loop()
@@ -280,12 +285,9 @@ class Broker:
         deadline = loop.time() + min(timeout, self.config.max_wait)
         while True:
             for queue in queues:
-                self.counters.cmd_get += 1
-                message = await self._take(queue)
+                message = await self.take(queue)
                 if message is not None:
-                    self.counters.get_hits += 1
                     return queue, message
-                self.counters.get_misses += 1
             left = deadline - loop.time()
             if left <= 0 or self.stopping:
                 return None
@@ -317,7 +319,9 @@ class Broker:
 
     async def _serve(self, key: Key, session: Session, first: bool) -> Message | None:
         queue = key.queue
-        self.state(queue).used = time.monotonic()
+        state = self.state(queue)
+        if self._stamp:
+            state.used = time.monotonic()
         if first:
             # Acknowledgements and aborts happen once, not again after a wait.
             if key.close:
@@ -336,27 +340,41 @@ class Broker:
             return await self._peek(queue)
         if key.open:
             return await self._open(queue, session)
-        return await self._take(queue)
+        return await self.take(queue, counted=False)
 
     def _child_limits(self, child: str) -> Limits:
         """A fanout child's limits: its own settings, by its own name."""
         return self.state(child).limits
 
-    async def _take(self, queue: str) -> Message | None:
+    async def take(self, queue: str, *, counted: bool = True) -> Message | None:
+        """The head message of `queue`, or None: a plain `get <queue>`, counted as one get.
+
+        Not `counted`: a key of a larger get, which counts its keys itself.
+        """
+        counters = self.counters
+        if counted:
+            counters.cmd_get += 1
         state = self._queues.get(queue) or self.state(queue)
-        state.used = time.monotonic()
+        if self._stamp:
+            state.used = time.monotonic()
         while True:
             message = await self.backend.take(queue, sync=state.settings.sync)
             if message is None:
                 if "+" in queue:
                     # A fanout child comes into being the first time it is named.
                     await self.backend.create(queue, sync=state.settings.sync)
-                return None
-            if _expired(message):
+                break
+            if message.expires and message.expires <= time.time():  # _expired, inline
                 state.expired += 1
                 continue
             state.dequeued += 1
-            return message
+            break
+        if counted:
+            if message is None:
+                counters.get_misses += 1
+            else:
+                counters.get_hits += 1
+        return message
 
     async def _peek(self, queue: str) -> Message | None:
         state = self.state(queue)

@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from mqd import __version__, protocol
-from mqd.backend import Put
+from mqd.backend import PUT_STORED, Put
 from mqd.broker import Session
-from mqd.eager import run_eagerly, start
+from mqd.eager import finish, start
 from mqd.errors import ProtocolError, ServerError, StorageError, UnknownCommand
 from mqd.protocol import (
     REPLY,
@@ -137,24 +137,38 @@ class Connection(asyncio.Protocol):
                 assert self.transport is not None
                 self.transport.pause_reading()
             return
-        commands = self.parser.feed(data)
+        parser = self.parser
+        commands = parser.feed(data)
         now = time.monotonic()
         if not commands:
             if not self.command_started:
                 self.command_started = now
             return
         self.last_active = now
-        self.command_started = now if self.parser.partial else 0.0
-        self.pending.extend(commands)
+        self.command_started = now if parser.partial else 0.0
+        pending = self.pending
+        pending.extend(commands)
         self.pending_bytes += len(data)
         if (
-            len(self.pending) > PENDING_HIGH or self.pending_bytes > INPUT_HIGH
+            len(pending) > PENDING_HIGH or self.pending_bytes > INPUT_HIGH
         ) and not self._reading_paused:
             assert self.transport is not None
             self.transport.pause_reading()
             self._reading_paused = True
-        if self.task is None:
-            self.process()
+        if self.task is not None:
+            return  # the running drain() takes them in turn
+        # Run them now, until one has to wait; a task finishes the rest. Most
+        # commands never wait (the memory backend, a get that finds a
+        # message), and running them directly here saves creating a task for
+        # every read, which costs more than parsing and executing a command.
+        # (eager.run_eagerly, inline: this is every read's path.)
+        step = self.drain()
+        try:
+            waiting_on = step.send(None)
+        except StopIteration:
+            return
+        self.task = asyncio.get_running_loop().create_task(finish(step, waiting_on))
+        self.server.overlap = True  # something waited: overlapping may pay again
 
     @property
     def reading_paused(self) -> bool:
@@ -192,17 +206,6 @@ class Connection(asyncio.Protocol):
 
     # -- running commands ----------------------------------------------------
 
-    def process(self) -> None:
-        """Run pending commands now, until one has to wait; a task finishes the rest.
-
-        Most commands never wait (the memory backend, a get that finds a
-        message), and running them directly here saves creating a task for
-        every read, which costs more than parsing and executing a command.
-        """
-        self.task = run_eagerly(self.drain())
-        if self.task is not None:
-            self.server.overlap = True  # something waited: overlapping may pay again
-
     async def drain(self) -> None:
         """Run every pending command in order, gathering replies; then send them.
 
@@ -211,26 +214,59 @@ class Connection(asyncio.Protocol):
         """
         try:
             pending = self.pending
+            server = self.server
+            broker = self.broker
+            out = self.out
             while pending and not self.closed:
                 if self._writable is not None:  # the client is not reading its replies
                     self.flush()
                     await self._writable
                 command = pending.popleft()
+                kind = type(command)
                 reply: bytes | None
                 if self.locked:
                     reply = self._login(command) or await self._execute(command)
                 elif (
-                    self.server.overlap
-                    and pending
-                    and self.groups(command)
-                    and self.groups(pending[0])
+                    server.overlap and pending and self.groups(command) and self.groups(pending[0])
                 ):
                     await self._run_group(command)
                     continue
+                elif server.metrics is not None:
+                    reply = await self._execute(command)
+                # The two commands that carry the load, run here rather than
+                # through _execute: one coroutine fewer for each.
+                elif kind is Store:
+                    try:
+                        stored = await broker.store(command)  # type: ignore[arg-type]
+                    except Exception as error:
+                        reply = self._failure(command, error)
+                    else:
+                        reply = (
+                            STORED
+                            if stored is PUT_STORED and not command.noreply  # type: ignore[union-attr]
+                            else _store_reply(command, stored)  # type: ignore[arg-type]
+                        )
+                elif (
+                    kind is Retrieve
+                    and len(keys := command.keys) == 1  # type: ignore[union-attr]
+                    and keys[0].plain
+                    and not command.with_ids  # type: ignore[union-attr]
+                ):
+                    key = keys[0]
+                    try:
+                        message = await broker.take(key.queue)
+                    except Exception as error:
+                        reply = self._failure(command, error)
+                    else:
+                        reply = (
+                            END
+                            if message is None
+                            else protocol.single_value(key.raw, message.flags, message.body)
+                        )
                 else:
                     reply = await self._execute(command)
                 if reply:  # as _emit does, inline on the hot path
-                    self.out.append(reply)
+                    out.append(reply)
                     self.out_bytes += len(reply)
                     if self.out_bytes >= FLUSH_AT:
                         self.flush()
@@ -253,14 +289,9 @@ class Connection(asyncio.Protocol):
         metrics = self.server.metrics
         started = time.perf_counter() if metrics is not None else 0.0
         try:
-            # The two commands that carry the load skip the dispatch table.
             if kind is Store:
                 stored = await self.broker.store(command)  # type: ignore[arg-type]
-                if command.noreply:  # type: ignore[union-attr]
-                    return None
-                if stored is Put.STORED:
-                    return STORED
-                return protocol.store_reply(command, stored)  # type: ignore[arg-type]
+                return _store_reply(command, stored)  # type: ignore[arg-type]
             if kind is Retrieve:
                 keys = command.keys  # type: ignore[union-attr]
                 if len(keys) > GET_PIECE and all(k.plain or k.peek or k.at for k in keys):
@@ -268,23 +299,29 @@ class Connection(asyncio.Protocol):
                 hits = await self.broker.retrieve(command, self.session)  # type: ignore[arg-type]
                 return protocol.values_reply(hits, command.with_ids)  # type: ignore[union-attr]
             return await _DISPATCH[kind](self, command)
-        except StorageError as error:
+        except Exception as error:
+            return self._failure(command, error)
+        finally:
+            if metrics is not None:
+                metrics.observe(command, started)
+
+    def _failure(self, command: protocol.Command, error: Exception) -> bytes | None:
+        """The reply to a command that raised `error` (None: noreply), logged and counted."""
+        metrics = self.server.metrics
+        noreply = getattr(command, "noreply", False)
+        if isinstance(error, StorageError):
             self.server.storage_failed(
                 "storage error in %s: %s", self.server.config.data_dir, error
             )
             if metrics is not None:
                 metrics.failed(command, error)
-            return None if getattr(command, "noreply", False) else protocol.error_line(error)
-        except ProtocolError as error:
-            return None if getattr(command, "noreply", False) else protocol.error_line(error)
-        except Exception as error:
-            if metrics is not None:
-                metrics.failed(command, error)
-            log.exception("command failed: %r", command)
-            return protocol.error_line(ServerError("internal error"))
-        finally:
-            if metrics is not None:
-                metrics.observe(command, started)
+            return None if noreply else protocol.error_line(error)
+        if isinstance(error, ProtocolError):
+            return None if noreply else protocol.error_line(error)
+        if metrics is not None:
+            metrics.failed(command, error)
+        log.exception("command failed: %r", command, exc_info=error)
+        return protocol.error_line(ServerError("internal error"))
 
     async def _run_group(self, first: protocol.Command) -> None:
         """Start `first` and the sets and plain gets right behind it together; reply in order.
@@ -327,7 +364,7 @@ class Connection(asyncio.Protocol):
         """Send every reply gathered so far."""
         out = self.out
         if out and self.transport is not None and not self.closed:
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            self.transport.write(b"".join(out))  # one reply: join returns it, no copy
         out.clear()
         self.out_bytes = 0
 
@@ -422,6 +459,12 @@ class Connection(asyncio.Protocol):
             self.out.append(protocol.error_line(command.error))
         if command.close:
             self.close()
+
+
+def _store_reply(command: Store, stored: Put) -> bytes | None:
+    if command.noreply:
+        return None
+    return STORED if stored is PUT_STORED else protocol.store_reply(command, stored)
 
 
 _Handler = Callable[[Connection, Any], Awaitable[bytes | None]]

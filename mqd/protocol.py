@@ -293,14 +293,12 @@ class Parser:
         self._swallow = 0  # bytes still to discard
         self._after_swallow: Failed | None = None
         self.closed = False  # set after a fatal error; feed() then returns nothing
+        # Whether part of a command has arrived and the rest has not: set by
+        # feed() (an attribute, not a property: it is read after every read).
+        self.partial = False
         # Keys and names are parsed once per connection (bounded: client-chosen).
         self._keys: dict[bytes, Key | None] = {}
         self._names: dict[bytes, str | None] = {}
-
-    @property
-    def partial(self) -> bool:
-        """Whether part of a command has arrived and the rest has not."""
-        return bool(self._have or self._need or self._swallow)
 
     def feed(self, data: bytes) -> list[Command]:
         """Take more input and return every command it completes, in order."""
@@ -310,7 +308,10 @@ class Parser:
             # Most of a large value: keep the pieces, join them once at the end.
             self._chunks.append(data)
             self._have += len(data)
+            self.partial = True
             return []
+        if self._have and not self._need and not self._swallow and b"\n" not in data:
+            return self._line_piece(data)
         if self._chunks:
             data = self._rest + b"".join(self._chunks) + data
             self._chunks.clear()
@@ -362,17 +363,53 @@ class Parser:
                     block = pos + int(nbytes) + 2 if nbytes.isdigit() else 0
                     # 0 < block: compiled by mypyc, a negative slice start is an error.
                     if 0 < block <= size and data[block - 2 : block] == b"\r\n":
-                        store = self._set(tokens, data[pos : block - 2])
-                        if store is not None:
-                            out.append(store)
+                        # A plain set whose block is complete. Only what is
+                        # surely in range is taken here (9 digits < 2**32,
+                        # 18 < 2**63); anything else takes the general path,
+                        # whose checks are the rule. Inline: every set comes here.
+                        queue = self._names.get(tokens[1])
+                        flags, exptime = tokens[2], tokens[3]
+                        if (
+                            queue is not None
+                            and flags.isdigit()
+                            and exptime.isdigit()
+                            and len(flags) <= 9
+                            and len(exptime) <= 18
+                            and block - 2 - pos <= self.max_item_size
+                        ):
+                            body = data[pos : block - 2]
+                            out.append(Store(False, queue, int(flags), int(exptime), body, False))
                             pos = block
                             continue
             command = self._command(line)
             if command is not None:
                 out.append(command)
-        self._rest = data[pos:]
-        self._have = size - pos
+        if pos < size:
+            self._rest = data[pos:]
+            self._have = size - pos
+            self.partial = True
+        else:  # the usual end of a read: nothing of a line held
+            self._rest = b""
+            self._have = 0
+            self.partial = self._need > 0 or self._swallow > 0
         return out
+
+    def _line_piece(self, data: bytes) -> list[Command]:
+        """More of a line whose newline has not come: kept, not joined to what is held.
+
+        Joining at every read, and looking for the newline from the line's
+        start, would cost time quadratic in the line's length when it comes
+        in small reads; the pieces are joined once, when the newline comes.
+        """
+        if self._chunks or len(self._rest) >= 5:
+            self._chunks.append(data)
+        else:
+            self._rest += data  # the line's first bytes together: _line_limit reads them
+        self._have += len(data)
+        self.partial = True
+        if self._have > MAX_LINE and self._have > self._line_limit(self._rest, 0):
+            return [self._too_long()]
+        return []
 
     @staticmethod
     def _line_limit(data: bytes, pos: int) -> int:
@@ -383,6 +420,9 @@ class Parser:
     def _too_long(self) -> Failed:
         self.closed = True
         self._rest = b""
+        self._chunks.clear()
+        self._have = self._need = self._swallow = 0
+        self.partial = False
         return Failed(ClientError(LINE_TOO_LONG), close=True)
 
     def _finish_store(self, data: bytes, start: int, end: int) -> Command:
@@ -405,18 +445,6 @@ class Parser:
                 return Failed(ClientError(f"{name} not supported"), tokens[-1] == b"noreply")
             return Failed(UnknownCommand())
         return handler(self, tokens)
-
-    def _set(self, tokens: list[bytes], body: bytes) -> Store | None:
-        """A plain `set` whose block is complete, or None to take the general path."""
-        queue = self._names.get(tokens[1])
-        flags, exptime = tokens[2], tokens[3]
-        # Only what is surely in range here (9 digits < 2**32, 18 < 2**63);
-        # anything else takes the general path, whose checks are the rule.
-        if queue is None or not flags.isdigit() or not exptime.isdigit():
-            return None
-        if len(flags) > 9 or len(exptime) > 18 or len(body) > self.max_item_size:
-            return None
-        return Store(False, queue, int(flags), int(exptime), body, False)
 
     def _name(self, raw: bytes) -> str | None:
         names = self._names

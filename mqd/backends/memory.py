@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from mqd.backend import (
     NO_LIMITS,
+    PUT_STORED,
     Backend,
     Capability,
     Fanout,
@@ -37,8 +38,10 @@ class _Queue:
         "bodies",
         "bytes",
         "incarnation",
+        "indexed",
         "leases",
         "next_offset",
+        "offsets",
         "reserved",
         "touched",
         "waiting",
@@ -52,16 +55,32 @@ class _Queue:
         self.leases: dict[int, Lease] = {}  # by offset, for every reserved message
         self.next_offset = 0
         self.bytes = 0
-        # Body -> how many copies are in the queue. Built on the first unique
-        # put only, so queues that never use uniqueness pay nothing for it.
+        # Two indexes of the messages in the queue (waiting and open), each
+        # built on first use and kept in step from then on, so queues that
+        # never need them pay one test per put and take: body -> how many
+        # copies (unique puts, contains, discard), offset -> message (read_at:
+        # a deque is O(n) to index in the middle, so a bisect over a long one
+        # is slow).
         self.bodies: dict[bytes, int] | None = None
+        self.offsets: dict[int, Message] | None = None
+        self.indexed = False  # whether either index exists
+
+    def messages(self) -> tuple[Message, ...]:
+        return (*self.waiting, *self.reserved.values())
 
     def index(self) -> dict[bytes, int]:
         if self.bodies is None:
             self.bodies = {}
-            for message in (*self.waiting, *self.reserved.values()):
+            self.indexed = True
+            for message in self.messages():
                 self.count(message.body, 1)
         return self.bodies
+
+    def by_offset(self) -> dict[int, Message]:
+        if self.offsets is None:
+            self.offsets = {message.offset: message for message in self.messages()}
+            self.indexed = True
+        return self.offsets
 
     def count(self, body: bytes, delta: int) -> None:
         """Keep the body index, when there is one, in step."""
@@ -74,13 +93,23 @@ class _Queue:
         else:
             del bodies[body]
 
+    def index_add(self, message: Message) -> None:
+        self.count(message.body, 1)
+        if self.offsets is not None:
+            self.offsets[message.offset] = message
+
+    def index_drop(self, message: Message) -> None:
+        self.count(message.body, -1)
+        if self.offsets is not None:
+            self.offsets.pop(message.offset, None)
+
     def append(self, message: Message) -> None:
         message.offset = self.next_offset
         self.next_offset += 1
         self.waiting.append(message)
         self.bytes += len(message.body)
-        if self.bodies is not None:
-            self.count(message.body, 1)
+        if self.indexed:
+            self.index_add(message)
 
     def pop_head(self) -> Message:
         message = self.waiting.popleft()
@@ -88,8 +117,10 @@ class _Queue:
         return message
 
     def forget(self, message: Message) -> None:
+        """A message leaves the queue (its offset still the queue's)."""
         self.bytes -= len(message.body)
-        self.count(message.body, -1)
+        if self.indexed:
+            self.index_drop(message)
 
     def find_waiting(self, offset: int) -> int | None:
         # Offsets in `waiting` are nearly contiguous, so first try where the offset
@@ -132,6 +163,7 @@ class _Store:
         self.children: dict[str, set[str]] = {}  # fanout parent -> its existing children
         self.incarnations = 0
         self.handles: list[MemoryBackend] = []
+        self.shared = False  # more than one handle: others' waiters are woken on a put
 
     def create(self, name: str) -> _Queue:
         self.incarnations += 1
@@ -184,10 +216,12 @@ class MemoryBackend(Backend):
 
     async def open(self) -> None:
         self._store.handles.append(self)
+        self._store.shared = len(self._store.handles) > 1
 
     async def close(self) -> None:
         if self in self._store.handles:
             self._store.handles.remove(self)
+        self._store.shared = len(self._store.handles) > 1
 
     def listen(self, wake: Wake) -> None:
         self._wake = wake
@@ -215,16 +249,24 @@ class MemoryBackend(Backend):
             q = self._store.create(queue)
         if unique and message.body in q.index():
             return Put.DUPLICATE
-        if limits and not q.make_room(limits, len(message.body)):
+        if limits is not NO_LIMITS and limits and not q.make_room(limits, len(message.body)):
             return Put.FULL
-        q.append(message)
+        # q.append(message), inline: this is every set's path.
+        body = message.body
+        message.offset = q.next_offset
+        q.next_offset += 1
+        q.waiting.append(message)
+        q.bytes += len(body)
+        if q.indexed:
+            q.index_add(message)
         q.touched = message.created or time.time()
-        if len(self._store.handles) > 1:
-            self._store.arrived(queue, self)
-        if fanout is not None and queue in self._store.children:
-            for child in self._store.children[queue]:
+        store = self._store
+        if store.shared:
+            store.arrived(queue, self)
+        if fanout is not None and store.children and queue in store.children:
+            for child in store.children[queue]:
                 self._copy(child, message, fanout(child))
-        return Put.STORED
+        return PUT_STORED
 
     def _copy(self, child: str, message: Message, limits: Limits) -> None:
         """A fanout child's own copy of a message stored in its parent."""
@@ -233,14 +275,18 @@ class MemoryBackend(Backend):
             return
         q.append(Message(message.body, message.flags, message.expires, message.created))
         q.touched = message.created or time.time()
-        if len(self._store.handles) > 1:
+        if self._store.shared:
             self._store.arrived(child, self)
 
     async def take(self, queue: str, *, sync: Sync) -> Message | None:
         q = self._queues.get(queue)
         if q is None or not q.waiting:
             return None
-        message = q.pop_head()
+        # q.pop_head(), inline: this is every get's path.
+        message = q.waiting.popleft()
+        q.bytes -= len(message.body)
+        if q.indexed:
+            q.index_drop(message)
         message.deliveries += 1
         return message
 
@@ -282,7 +328,7 @@ class MemoryBackend(Backend):
             dead.append(message)
             dead.touched = q.touched = time.time()
             arrived = to
-        if len(self._store.handles) > 1:
+        if self._store.shared:
             self._store.arrived(arrived, self)
 
     async def extend(self, receipt: Receipt, *, lease: float, sync: Sync) -> bool:
@@ -332,10 +378,7 @@ class MemoryBackend(Backend):
         q = self._queues.get(queue)
         if q is None:
             return None
-        if offset in q.reserved:
-            return q.reserved[offset]
-        i = q.find_waiting(offset)
-        return None if i is None else q.waiting[i]
+        return q.by_offset().get(offset)
 
     async def contains(self, queue: str, body: bytes) -> bool:
         q = self._queues.get(queue)
@@ -383,7 +426,7 @@ class MemoryBackend(Backend):
         kept.extend(q.waiting)
         q.waiting = kept
         q.touched = time.time()
-        if len(self._store.handles) > 1:
+        if self._store.shared:
             for target in moved:
                 self._store.arrived(target, self)
         return moved

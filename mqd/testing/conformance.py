@@ -284,6 +284,67 @@ class BackendConformance:
 
         self.session(data_dir, body)
 
+    def test_read_at_follows_every_change(self, data_dir: Path) -> None:
+        """Once used, read_at keeps seeing exactly what is in the queue, whatever changed it."""
+
+        async def body(b: Backend) -> None:
+            if Capability.OFFSET not in b.capabilities:
+                pytest.skip("backend has no offset reads")
+            assert await b.read_at("q", 0) is None
+            expect: dict[int, bytes] = {}
+            for i in range(8):
+                offset = await self.put(b, "q", f"m{i}".encode())
+                assert offset is not None
+                expect[offset] = f"m{i}".encode()
+            offsets = list(expect)
+
+            async def present() -> dict[int, bytes]:
+                found = {}
+                for offset in offsets:
+                    m = await b.read_at("q", offset)
+                    if m is not None:
+                        found[offset] = m.body
+                return found
+
+            assert await present() == expect
+            taken = await b.take("q", sync=ALWAYS)
+            assert taken is not None
+            del expect[taken.offset]
+            assert await present() == expect
+            r = await self.reserve(b, "q")  # open: still there
+            assert await present() == expect
+            assert r.receipt is not None and await b.release(r.receipt, sync=ALWAYS)
+            assert await present() == expect
+            r = await self.reserve(b, "q")
+            assert r.receipt is not None and await b.ack(r.receipt, sync=ALWAYS)
+            del expect[r.offset]
+            assert await present() == expect
+            r = await self.reserve(b, "q")
+            assert r.receipt is not None and await b.release(r.receipt, sync=ALWAYS, to="q_dead")
+            del expect[r.receipt.offset]  # r itself may be the dead letter now, renumbered
+            assert await present() == expect
+            dead = await b.read_at("q_dead", 0)
+            assert dead is not None and dead.body == r.body
+            head = await b.peek("q")
+            assert head is not None and await b.remove("q", head.offset, sync=ALWAYS)
+            del expect[head.offset]
+            assert await present() == expect
+            full = Limits(max_items=len(expect), drop_oldest=True)
+            new = Message(b"new")
+            assert await b.put("q", new, sync=ALWAYS, limits=full) is Put.STORED
+            offsets.append(new.offset)
+            now = await present()
+            assert len(now) == len(expect) and now[new.offset] == b"new"
+            assert {o: v for o, v in now.items() if o != new.offset}.items() < expect.items()
+            await b.delete("q", sync=ALWAYS)
+            assert await present() == {}
+            again = await self.put(b, "q", b"again")
+            assert again is not None
+            m = await b.read_at("q", again)
+            assert m is not None and m.body == b"again"
+
+        self.session(data_dir, body)
+
     # -- leases ------------------------------------------------------------
 
     def test_expired_lease_is_reclaimed_once(self, data_dir: Path) -> None:

@@ -151,6 +151,26 @@ def test_line_too_long_closes() -> None:
     assert isinstance(too_long, Failed) and too_long.close
 
 
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_long_lines_in_small_reads(step: int) -> None:
+    """A line held in pieces: the same commands and limits as when it comes whole."""
+
+    def pieces(data: bytes) -> list[object]:
+        parser = Parser()
+        return [c for i in range(0, len(data), step) for c in parser.feed(data[i : i + step])]
+
+    many = b"get " + b" ".join([b"k%d" % i for i in range(5000)]) + b"\r\nversion\r\n"
+    assert pieces(many) == feed(many)
+    assert [type(c) for c in pieces(many)] == [Retrieve, Version]
+    closed = [Failed(ClientError("line too long"), close=True)]
+    assert pieces(b"get " + b"k" * 70000) == closed
+    assert pieces(b"x" * 2049) == closed
+    assert pieces(b"x" * 2048) == []
+    # A set line in pieces, its block after it: held apart, then joined.
+    store = b"set " + b"q" * 200 + b" 0 0 2\r\nab\r\n"
+    assert pieces(store) == feed(store) and len(feed(store)) == 1
+
+
 def test_replies() -> None:
     assert value(b"q/open", 3, b"ab") == b"VALUE q/open 3 2\r\nab\r\n"
     assert value(b"q", 0, b"", 12) == b"VALUE q 0 0 12\r\n\r\n"
