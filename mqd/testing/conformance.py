@@ -1,5 +1,9 @@
 """The conformance suite every backend must pass.
 
+Long (about 700 lines) because it is one class a backend subclasses once:
+each test is a short scenario of the interface in mqd.backend, grouped by
+topic (basics, leases, limits, fanout and redrive, uniqueness, restarts).
+
 A backend's package runs it against itself by subclassing, for example::
 
     from mqd.testing.conformance import BackendConformance

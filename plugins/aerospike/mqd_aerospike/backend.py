@@ -3,6 +3,10 @@
 Calls are queued per queue shard; one task per shard runs cycles
 (mqd_aerospike.store) in the worker threads, each serving everything queued
 for that shard when it starts: one lock and one commit for many operations.
+
+A little over 500 lines: it is the whole Backend interface (each call a short
+method turning into queued operations) plus the per-shard cycle scheduling;
+the record layout, the cycles and the operations live in their own modules.
 """
 
 from __future__ import annotations
