@@ -7,8 +7,14 @@ STORED message delivered, none twice unless it was open when the daemon died,
 nothing delivered that was never sent. Prints cycles and counts; exits 1 on
 any problem.
 
+With --fanout, runs mqd_bdb.soak's FanoutSoak instead: producers set into a
+fanout parent with two children, consumers read all three reliably, and every
+STORED message must be in all three queues, every unacknowledged one in all
+three or none.
+
 Usage: python plugins/bdb/benchmarks/bdb_crash_soak.py [--cycles 50]
        [--backend bdb] [--producers 4] [--consumers 4] [--seed N] [--keep]
+       [--fanout]
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mqd_bdb.soak import Soak
+from mqd_bdb.soak import FanoutSoak, Soak
 
 BACKENDS = ["bdb", "bdb-single", "bdb-random"]
 
@@ -35,22 +41,36 @@ def main() -> int:
     parser.add_argument("--max-s", type=float, default=2.0, help="longest run between kills")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--fanout", action="store_true", help="a parent and two children")
     args = parser.parse_args()
     failed = False
     for backend in args.backend or BACKENDS:
         workdir = Path(tempfile.mkdtemp(prefix=f"mqd-soak-{backend}-"))
-        soak = Soak(workdir, backend, args.producers, args.consumers, args.seed)
         start = time.monotonic()
-        books = soak.run(args.cycles, args.min_s, args.max_s)
-        problems = books.check()
-        print(
-            f"{backend:11} {soak.kills} kills in {time.monotonic() - start:.0f} s: "
-            f"{len(books.sent)} sent, {len(books.stored)} stored, "
-            f"{len(books.taken)} taken, {len(books.opened)} opened, "
-            f"{len(books.lost_open)} open at a kill, {books.lost_gets} plain gets cut off "
-            f"(taking {len(books.missing())} unseen): " + ("OK" if not problems else "FAILED"),
-            flush=True,
-        )
+        if args.fanout:
+            fan = FanoutSoak(workdir, backend, args.producers, args.consumers, args.seed)
+            fan.run(args.cycles, args.min_s, args.max_s)
+            problems = fan.fanout.check()
+            copies = fan.fanout.copies()
+            print(
+                f"{backend:11} {fan.kills} kills in {time.monotonic() - start:.0f} s: "
+                f"{len(fan.fanout.sent)} sent, {len(fan.fanout.stored)} stored; "
+                f"in 3 queues {copies[3]}, in none {copies[0]}, "
+                f"in 1 or 2 {copies[1] + copies[2]}: " + ("OK" if not problems else "FAILED"),
+                flush=True,
+            )
+        else:
+            soak = Soak(workdir, backend, args.producers, args.consumers, args.seed)
+            books = soak.run(args.cycles, args.min_s, args.max_s)
+            problems = books.check()
+            print(
+                f"{backend:11} {soak.kills} kills in {time.monotonic() - start:.0f} s: "
+                f"{len(books.sent)} sent, {len(books.stored)} stored, "
+                f"{len(books.taken)} taken, {len(books.opened)} opened, "
+                f"{len(books.lost_open)} open at a kill, {books.lost_gets} plain gets cut off "
+                f"(taking {len(books.missing())} unseen): " + ("OK" if not problems else "FAILED"),
+                flush=True,
+            )
         for problem in problems:
             print("   ", problem)
         failed = failed or bool(problems)

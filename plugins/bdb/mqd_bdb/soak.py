@@ -13,6 +13,11 @@ end the queues are drained and the books must balance:
   (not acknowledged by a `/close` reply) when the daemon died;
 - no message was delivered that was never sent.
 
+FanoutSoak does the same with a fanout parent and two children: producers
+`set` into the parent only, consumers read all three reliably, and the books
+must show every STORED message in all three queues, and every unacknowledged
+one in all three or in none (one transaction stores every copy).
+
 Used by plugins/bdb/tests/test_bdb_crash.py (a short run per backend) and
 plugins/bdb/benchmarks/bdb_crash_soak.py (long runs).
 """
@@ -132,6 +137,10 @@ def _few(items: set[bytes]) -> str:
 class Soak:
     """Drives a daemon with producers and consumers while killing it."""
 
+    #: The queues producers write to, and every queue consumers read.
+    targets: tuple[str, ...] = QUEUES
+    queues: tuple[str, ...] = QUEUES
+
     def __init__(
         self,
         workdir: Path,
@@ -167,7 +176,7 @@ class Soak:
         while client is not None and not self._stop_producing.is_set():
             message = b"p%d-%d" % (index, n)
             n += 1  # a new id for every attempt: a retry could store a copy
-            queue = rng.choice(QUEUES)
+            queue = rng.choice(self.targets)
             with self._lock:
                 self.books.sent.add(message)
             try:
@@ -189,7 +198,7 @@ class Soak:
         rng = random.Random(1000 + index)
         client = self._connect(self._stop_consuming)
         while client is not None and not self._stop_consuming.is_set():
-            queue = rng.choice(QUEUES)
+            queue = rng.choice(self.queues)
             open_message = None
             plain = rng.random() < 0.5
             try:
@@ -222,6 +231,7 @@ class Soak:
     def run(self, cycles: int, min_s: float = 0.2, max_s: float = 1.0) -> Books:
         """Kill and restart the daemon `cycles` times under load, then drain and stop."""
         self.daemon.start()
+        self._prepare()
         threads = [
             threading.Thread(target=self._produce, args=(i,), daemon=True)
             for i in range(self.producers)
@@ -252,6 +262,12 @@ class Soak:
             self.daemon.kill()
         return self.books
 
+    def _prepare(self) -> None:
+        """Set up queues before the clients start; nothing to do here."""
+
+    def _took(self, queue: str, message: bytes) -> None:
+        self.books.taken.append(message)
+
     def _drain(self) -> None:
         """Take what is left, until every queue stays empty for a moment."""
         client = Client(self.daemon.address)
@@ -259,14 +275,127 @@ class Soak:
             quiet_since = time.monotonic()
             while time.monotonic() - quiet_since < 0.5:
                 got = False
-                for queue in QUEUES:
+                for queue in self.queues:
                     message = client.get(queue)
                     if message is not None:
-                        self.books.taken.append(message)
+                        self._took(queue, message)
                         got = True
                 if got:
                     quiet_since = time.monotonic()
                 else:
                     time.sleep(0.02)
         finally:
+            client.close()
+
+
+FANOUT_PARENT = "fan"
+FANOUT_QUEUES = (FANOUT_PARENT, FANOUT_PARENT + "+a", FANOUT_PARENT + "+b")
+
+
+@dataclass
+class FanoutBooks:
+    """What the clients of a fanout soak saw, per queue."""
+
+    sent: set[bytes] = field(default_factory=set)
+    stored: set[bytes] = field(default_factory=set)
+    # queue -> every hand-out (/open and the final drain), repeats included
+    seen: dict[str, list[bytes]] = field(
+        default_factory=lambda: {queue: [] for queue in FANOUT_QUEUES}
+    )
+    # queue -> messages open there when the daemon died
+    lost_open: dict[str, set[bytes]] = field(
+        default_factory=lambda: {queue: set() for queue in FANOUT_QUEUES}
+    )
+    errors: list[str] = field(default_factory=list)
+
+    def copies(self) -> Counter[int]:
+        """How many sent messages ended in 0, 1, 2 or 3 of the queues."""
+        where = {queue: set(seen) for queue, seen in self.seen.items()}
+        return Counter(sum(m in found for found in where.values()) for m in self.sent)
+
+    def check(self) -> list[str]:
+        """What is wrong, if anything."""
+        problems = list(self.errors)
+        where = {queue: set(seen) for queue, seen in self.seen.items()}
+        partial: list[bytes] = []
+        short: list[bytes] = []
+        for message in self.sent:
+            found = [queue for queue, got in where.items() if message in got]
+            if message in self.stored and len(found) < len(where):
+                short.append(message)
+            elif 0 < len(found) < len(where):
+                partial.append(message)
+        if short:
+            problems.append(f"{len(short)} STORED message(s) missing a copy: {_few(set(short))}")
+        if partial:
+            problems.append(
+                f"{len(partial)} unacknowledged message(s) in some queues only: "
+                f"{_few(set(partial))}"
+            )
+        for queue, seen in self.seen.items():
+            strange = set(seen) - self.sent
+            if strange:
+                problems.append(f"{queue}: {len(strange)} never sent: {_few(strange)}")
+            again = {m for m, n in Counter(seen).items() if n > 1} - self.lost_open[queue]
+            if again:
+                problems.append(f"{queue}: {len(again)} delivered twice: {_few(again)}")
+        if self.stored and not all(self.seen.values()):
+            problems.append("a queue delivered nothing")
+        return problems
+
+
+class FanoutSoak(Soak):
+    """The soak on a fanout parent and two children, all read reliably."""
+
+    targets = (FANOUT_PARENT,)
+    queues = FANOUT_QUEUES
+
+    def __init__(
+        self,
+        workdir: Path,
+        backend: str,
+        producers: int = 3,
+        consumers: int = 3,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__(workdir, backend, producers, consumers, seed)
+        self.fanout = FanoutBooks()
+        # The producers' bookkeeping (sent, stored) is shared with Soak's.
+        self.books.sent = self.fanout.sent
+        self.books.stored = self.fanout.stored
+        self.books.errors = self.fanout.errors
+
+    def _prepare(self) -> None:
+        """Make the children exist (a `get` names them) before any parent `set`."""
+        client = Client(self.daemon.address)
+        try:
+            for child in self.queues[1:]:
+                if client.get(child) is not None:
+                    self.fanout.errors.append(f"new child {child} was not empty")
+        finally:
+            client.close()
+
+    def _took(self, queue: str, message: bytes) -> None:
+        self.fanout.seen[queue].append(message)
+
+    def _consume(self, index: int) -> None:
+        rng = random.Random(1000 + index)
+        client = self._connect(self._stop_consuming)
+        while client is not None and not self._stop_consuming.is_set():
+            queue = rng.choice(self.queues)
+            open_message = None
+            try:
+                open_message = client.get(queue + "/open")
+                if open_message is not None:
+                    self._took(queue, open_message)
+                    if client.get(queue + "/close") is not None:
+                        self.fanout.errors.append("/close returned a value")
+                    open_message = None
+            except Gone:
+                if open_message is not None:
+                    with self._lock:
+                        self.fanout.lost_open[queue].add(open_message)
+                client.close()
+                client = self._connect(self._stop_consuming)
+        if client is not None:
             client.close()
