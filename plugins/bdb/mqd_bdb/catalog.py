@@ -170,6 +170,8 @@ class Catalog(Environment):
         self.next_qid = 0
         self.purges: list[bytes] = []  # qid keys of deleted queues with records left
         self.children: dict[str, set[str]] = {}  # fanout parent -> its existing children
+        self.emptied: set[str] = set()  # queues emptied since their files were compacted
+        self.freed = False  # a deleted queue's records purged since the last compaction
         self.now = 0.0  # the time of the running batch
         self._touched: dict[str, Snapshot] = {}
         self._new_purges: list[bytes] = []
@@ -329,6 +331,8 @@ class Catalog(Environment):
         for name in self._touched:
             q = self.queues.get(name)
             published[name] = None if q is None else q.size()
+            if q is not None and not q.items:
+                self.emptied.add(name)
         self._touched = {}
 
     def _undo(self, touched: dict[str, Snapshot], next_qid: int) -> None:
@@ -376,6 +380,7 @@ class Catalog(Environment):
             raise
         if left:
             self.purges.pop(0)
+            self.freed = True
 
     def _purge_prefixes(self, qkey: bytes) -> list[bytes]:
         return [MSG + qkey, UNIQ + qkey, CAT_RESERVED + qkey]

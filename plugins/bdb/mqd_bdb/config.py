@@ -10,6 +10,9 @@ from typing import Any
 
 from mqd.config import TableReader
 
+#: The keys whose value may be 0 (the others must be at least 1).
+_ZERO_OK = frozenset({"page_size", "reserve_mb", "max_disk_bytes"})
+
 
 @dataclass(frozen=True)
 class BdbConfig:
@@ -37,6 +40,14 @@ class BdbConfig:
     max_open_queues: int = 256
     #: Locks and lock objects the environment can hold at once.
     max_locks: int = 20000
+    #: A file of this many MiB kept in the data directory and removed when the
+    #: disk fills, so that gets, deletes and checkpoints (which free space)
+    #: still have room for their log and for the cache's dirty pages; 0 (the
+    #: default) sizes it so: cache_mb + 2 * log_file_mb.
+    reserve_mb: int = 0
+    #: Sets are refused (`SERVER_ERROR out of memory storing object`) once the
+    #: data directory's files (the reserve aside) hold this many bytes; 0: no bound.
+    max_disk_bytes: int = 0
 
     @classmethod
     def from_table(cls, table: Mapping[str, Any], path: Path | None, where: str) -> BdbConfig:
@@ -50,7 +61,7 @@ class BdbConfig:
             if isinstance(spec.default, float):
                 values[spec.name] = reader.number(spec.name, 0.0, above=True)
             else:
-                values[spec.name] = reader.integer(spec.name, 0 if spec.name == "page_size" else 1)
+                values[spec.name] = reader.integer(spec.name, 0 if spec.name in _ZERO_OK else 1)
         reader.leftovers([spec.name for spec in fields])
         config = cls(**values)
         size = config.page_size
@@ -58,3 +69,8 @@ class BdbConfig:
             allowed = "must be 0 or a power of two from 512 to 65536"
             raise reader.fail("page_size", size, allowed)
         return config
+
+    @property
+    def reserve_bytes(self) -> int:
+        """The reserve file's size."""
+        return (self.reserve_mb or self.cache_mb + 2 * self.log_file_mb) << 20

@@ -18,6 +18,7 @@ from berkeleydb import db
 from mqd.errors import StorageError
 from mqd_bdb.config import BdbConfig
 from mqd_bdb.errors import storage_error
+from mqd_bdb.space import Space, is_disk_full, no_room
 
 ENV_FLAGS = (
     db.DB_CREATE
@@ -43,6 +44,7 @@ class Environment:
         self.env: Any = None
         self.cat: Any = None
         self.panicked = False
+        self.space = Space(data_dir, config.reserve_bytes, config.max_disk_bytes)
         self._lock_fd: int | None = None
 
     def open(self) -> None:
@@ -50,11 +52,29 @@ class Environment:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._lock()
         try:
-            self._open_env()
-        except BaseException:
+            try:
+                self._open_env()
+            except Exception as exc:
+                # Recovery writes to the log too: on a full disk, spend the
+                # reserve on it and try once more.
+                if not (self._disk_full(exc) and self.space.release()):
+                    raise
+                self._close_env()
+                self._open_env()
+            self.space.keep()
+        except BaseException as exc:
             self._close_env()
             self._unlock()
+            if isinstance(exc, Exception) and self._disk_full(exc):
+                raise StorageError(
+                    f"no space left on device (ENOSPC) in {self.data_dir}: free some, "
+                    "then start again"
+                ) from exc
             raise
+
+    def _disk_full(self, exc: BaseException) -> bool:
+        """Whether `exc` comes of a full disk (Berkeley DB may call it a panic)."""
+        return is_disk_full(exc) or no_room(self.data_dir, self.config.log_buffer_kb << 10)
 
     def close(self) -> None:
         """Checkpoint and close everything; raises the first error met, after trying all."""

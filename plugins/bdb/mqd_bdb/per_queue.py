@@ -71,6 +71,13 @@ class PerQueueStore(FifoStore):
         while len(self._lru) > self.config.max_open_queues:
             _close_files(self._lru.popitem(last=False)[1])
 
+    def _compact(self, emptied: list[QueueState], freed: bool) -> None:
+        for q in emptied:
+            if q.mdb is None:
+                self._attach(q)
+            q.mdb.compact(flags=db.DB_FREE_SPACE)
+            q.udb.compact(flags=db.DB_FREE_SPACE)
+
     def _clear_index(self, txn: Any, q: QueueState, limit: int) -> int:
         q.udb.truncate(txn)  # the file holds this queue's counts only
         return 0

@@ -12,6 +12,7 @@ declared at the end of Store.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -22,6 +23,9 @@ from mqd.errors import StorageError
 from mqd_bdb import jobs
 from mqd_bdb.catalog import Catalog, QueueState
 from mqd_bdb.errors import storage_error
+from mqd_bdb.space import LOOK_S, is_disk_full
+
+COMPACT_MIN_BYTES = 1 << 20  # a single-file layout's file is not compacted below this
 
 
 class NeedsIndex(Exception):
@@ -40,6 +44,7 @@ class Store(Catalog):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
+        self._compacted = self._checkpointed = 0.0
         self._ops: dict[int, Callable[[Any, str, Any], Any]] = {
             op: getattr(self, method)
             for op, method in jobs.METHODS.items()
@@ -52,7 +57,7 @@ class Store(Catalog):
         """Run `batch`, appending one result per job and the gauges that changed."""
         segment: list[jobs.Job] = []
         barriers = self.barrier_ops
-        for job in batch:
+        for job in self._admit(batch, results):
             if job[0] in barriers:
                 if segment:
                     self._segment(segment, results, published)
@@ -63,12 +68,34 @@ class Store(Catalog):
         if segment:
             self._segment(segment, results, published)
 
+    def _admit(self, batch: list[jobs.Job], results: list[jobs.Result]) -> list[jobs.Job]:
+        """The jobs of `batch` to run; the puts the disk has no room for are answered here."""
+        space = self.space
+        if not space.out and not space.max_disk_bytes:
+            return batch
+        if space.out:
+            self.upkeep()  # room may be back
+        admitted = []
+        for job in batch:
+            reason = space.refusal(len(job[2][0].body)) if job[0] == jobs.PUT else None
+            if reason is None:
+                admitted.append(job)
+            else:
+                results.append((job, StorageError(reason), None))
+        return admitted
+
     def _segment(
         self, segment: list[jobs.Job], results: list[jobs.Result], published: dict[str, Any]
     ) -> None:
         try:
             values = self._attempt(segment, published)
         except Exception as exc:
+            if is_disk_full(exc) and self.space.release():
+                # The reserve is out: what frees space runs in its room, puts are refused.
+                rest = self._admit(segment, results)
+                if rest:
+                    self._segment(rest, results, published)
+                return
             if len(segment) == 1 or self.panicked:
                 error = storage_error(exc)
                 results.extend((job, error, None) for job in segment)
@@ -116,6 +143,33 @@ class Store(Catalog):
 
     def trim(self) -> None:
         """Between batches: give back resources held beyond the configured limits."""
+
+    def upkeep(self) -> None:
+        """Between batches: give the space of emptied queues back; restore the reserve."""
+        now = time.monotonic()
+        if (self.emptied or self.freed) and now - self._compacted >= LOOK_S:
+            self._compacted = now
+            emptied, freed, self.emptied, self.freed = self.emptied, self.freed, set(), False
+            self._compact([q for q in map(self.queues.get, emptied) if q and not q.items], freed)
+        if self.space.out and now - self._checkpointed >= LOOK_S:
+            # Old log files go at a checkpoint: take one often while short of room.
+            self._checkpointed = now
+            self.checkpoint(True)
+            self.space.look()
+
+    def _compact(self, emptied: list[QueueState], freed: bool) -> None:
+        """Return the free pages of the files of `emptied` queues to the file system.
+
+        Here one file holds every queue (`freed`: a deleted one's records were
+        purged): compacting it reads all of it, so only once at least half of
+        it is free.
+        """
+        if not emptied and not freed:
+            return
+        size = os.stat(self.data_dir / self.catalog_file).st_size
+        held = sum(q.bytes for q in self.queues.values())
+        if size > COMPACT_MIN_BYTES and 2 * held < size:
+            self.cat.compact(flags=db.DB_FREE_SPACE)
 
     def build_index(self, name: str) -> None:
         """Count the bodies of a queue, in transactions of their own."""

@@ -31,6 +31,7 @@ from typing import Any
 from mqd.backend import Message, QueueSize, Sync
 from mqd_bdb import jobs
 from mqd_bdb.errors import storage_error
+from mqd_bdb.space import is_disk_full
 from mqd_bdb.store import Store
 
 log = logging.getLogger("mqd.bdb")
@@ -160,6 +161,7 @@ class Worker:
                         self._close(stop)
                         return
                 store.trim()
+                store.upkeep()
                 if idle and store.purges:
                     store.purge_step()
             except Exception:
@@ -338,8 +340,10 @@ class Worker:
                     if timed:
                         last_checkpoint = now
                         pending = False
-            except Exception:
-                log.exception("Berkeley DB upkeep failed")
+            except Exception as exc:
+                # Writing dirty pages out may be what fills the disk first.
+                if not (is_disk_full(exc) and store.space.release()):
+                    log.exception("Berkeley DB upkeep failed")
             finally:
                 with cond:
                     self._busy = False

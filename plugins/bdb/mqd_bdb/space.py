@@ -1,0 +1,146 @@
+"""Room on the disk: a reserve file for the work that frees space, a guard for puts.
+
+Every change, a `get` or a `delete` included, writes the log first, so on a
+full disk nothing could be taken or deleted: the disk would stay full. The
+data directory therefore holds `reserve`, a file of `reserve_mb` allocated
+blocks: room for the log and for the cache's dirty pages, which need disk
+blocks of their own when they are written out. When a write meets ENOSPC
+the file is removed and the work retried in the room it leaves; from then
+on puts are refused (`disk full`) while everything else goes on. Once the
+file system has room for the reserve twice over (drained queues give space
+back, checkpoints remove old log files) it is allocated again and puts are
+accepted.
+
+`max_disk_bytes` bounds what the data directory may hold: puts are refused
+with `out of memory storing object` (memcached's reply for a full cache)
+once its files (the reserve aside) reach it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from pathlib import Path
+
+from berkeleydb import db
+
+log = logging.getLogger("mqd.bdb")
+
+RESERVE_FILE = "reserve"
+SCAN_S = 0.1  # the data directory's size is read again after this long
+LOOK_S = 0.5  # while the reserve is out: how often to look for room again
+FULL = "disk full"
+OVER = "out of memory storing object"
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc` is ENOSPC (or a quota), from the OS or from Berkeley DB."""
+    code = exc.args[0] if isinstance(exc, db.DBError) and exc.args else None
+    if isinstance(exc, OSError):
+        code = exc.errno
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    cause = exc.__cause__
+    return cause is not None and cause is not exc and is_disk_full(cause)
+
+
+def no_room(data_dir: Path, need: int) -> bool:
+    """Whether the file system of `data_dir` has less than `need` bytes free."""
+    try:
+        st = os.statvfs(data_dir)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < need
+
+
+class Space:
+    """The reserve file and the byte guard of one data directory."""
+
+    def __init__(self, data_dir: Path, reserve: int, max_disk_bytes: int) -> None:
+        self.path = data_dir / RESERVE_FILE
+        self.data_dir = data_dir
+        self.reserve = reserve
+        self.max_disk_bytes = max_disk_bytes
+        self.out = False  # the reserve was released: puts are refused
+        self._used = 0  # the data directory's bytes at the last scan ...
+        self._added = 0  # ... and body bytes put since
+        self._scanned = 0.0
+        self._looked = 0.0
+
+    def keep(self) -> None:
+        """Allocate the reserve if it is missing and fits (at open, and once room is back)."""
+        if not self.reserve:
+            return
+        try:
+            if self.path.stat().st_blocks * 512 >= self.reserve:
+                return
+        except FileNotFoundError:
+            pass
+        if no_room(self.data_dir, 2 * self.reserve):
+            return  # leave it out until the disk has room for more than the reserve
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, self.reserve)
+            os.fsync(fd)
+        except OSError:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            return
+        os.close(fd)
+
+    def release(self) -> bool:
+        """The disk is full: remove the reserve; False if there was none to remove."""
+        if self.out or not self.reserve:
+            return False
+        self.out = True
+        self._looked = time.monotonic()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            return False
+        log.warning(
+            "disk full in %s: released the %d MiB reserve; refusing sets until there is room",
+            self.data_dir,
+            self.reserve >> 20,
+        )
+        return True
+
+    def refusal(self, size: int) -> str | None:
+        """Why a put of `size` body bytes is refused now, or None."""
+        if self.out:
+            return FULL
+        if not self.max_disk_bytes:
+            return None
+        now = time.monotonic()
+        if now - self._scanned >= SCAN_S:
+            self._used = self._scan()
+            self._added = 0
+            self._scanned = now
+        if self._used + self._added + size > self.max_disk_bytes:
+            return OVER
+        self._added += size
+        return None
+
+    def look(self) -> bool:
+        """While the reserve is out, now and then: True once it is back (puts accepted)."""
+        now = time.monotonic()
+        if not self.out or now - self._looked < LOOK_S:
+            return False
+        self._looked = now
+        self.keep()
+        if self.path.exists() and self.path.stat().st_blocks * 512 >= self.reserve:
+            self.out = False
+            log.warning("room again in %s: reserve restored, accepting sets", self.data_dir)
+            return True
+        return False
+
+    def _scan(self) -> int:
+        """Bytes allocated to the data directory's files, the reserve aside."""
+        total = 0
+        with os.scandir(self.data_dir) as entries:
+            for entry in entries:
+                if entry.name != RESERVE_FILE and entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_blocks * 512
+        return total
