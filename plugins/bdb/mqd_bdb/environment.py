@@ -61,7 +61,7 @@ class Environment:
                     raise
                 self._close_env()
                 self._open_env()
-            self.space.keep()
+            self.space.start(lambda: self.checkpoint(True))
         except BaseException as exc:
             self._close_env()
             self._unlock()

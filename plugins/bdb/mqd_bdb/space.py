@@ -22,6 +22,7 @@ import errno
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from berkeleydb import db
@@ -89,6 +90,22 @@ class Space:
             self.path.unlink(missing_ok=True)
             return
         os.close(fd)
+
+    def start(self, checkpoint: Callable[[], None]) -> None:
+        """At open: make the reserve; with no room for it, refuse puts until there is."""
+        if not self.reserve or self.path.exists():
+            self.keep()
+            return
+        checkpoint()  # old log files go: room, perhaps
+        self.keep()
+        if not self.path.exists():
+            self.out = True
+            self._looked = time.monotonic()
+            log.warning(
+                "no room for the %d MiB reserve in %s: refusing sets until there is",
+                self.reserve >> 20,
+                self.data_dir,
+            )
 
     def release(self) -> bool:
         """The disk is full: remove the reserve; False if there was none to remove."""

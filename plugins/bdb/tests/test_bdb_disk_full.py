@@ -1,0 +1,124 @@
+"""A real daemon on a full disk: gets and deletes free space, sets are refused, restart works."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from pathlib import Path
+
+import pytest
+from bdb_helpers import NAMES, small_disk
+from pymemcache.client.base import Client
+from pymemcache.exceptions import MemcacheServerError
+
+from mqd.testing.daemon import Daemon
+
+SMALL = "cache_mb = 4\nlog_file_mb = 1\n"  # a 6 MiB reserve: cache + 2 log files
+BODY = b"x" * 4000
+
+
+def config(name: str, extra: str = "") -> str:
+    return f'[queues."*"]\nsync = "always"\n\n[storage.{name}]\n{SMALL}{extra}'
+
+
+def data_bytes(data_dir: Path) -> int:
+    """Blocks the data directory's files hold, the reserve aside."""
+    return sum(
+        p.stat().st_blocks * 512 for p in data_dir.iterdir() if p.is_file() and p.name != "reserve"
+    )
+
+
+def fill(client: Client, queue: str, ids: itertools.count[int]) -> tuple[int, str]:
+    """Set unique bodies until refused; (how many were STORED, the refusal)."""
+    for stored in range(100_000):
+        try:
+            client.set(queue, b"%08d" % next(ids) + BODY, noreply=False)
+        except MemcacheServerError as exc:
+            reply = exc.args[0]
+            return stored, reply.decode() if isinstance(reply, bytes) else str(reply)
+    raise AssertionError("the disk never filled")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_full_disk_still_serves_gets_deletes_and_restarts(name: str, tmp_path: Path) -> None:
+    with small_disk(tmp_path / "disk", "24m") as disk:
+        daemon = Daemon(disk, backend=name, config_text=config(name))
+        with daemon:
+            assert (daemon.data_dir / "reserve").stat().st_blocks * 512 >= 6 << 20
+            client = Client(daemon.address, timeout=10)
+            ids = itertools.count()
+            client.set("other", b"o" * 1000, noreply=False)
+            stored, refusal = fill(client, "q", ids)
+            assert stored > 500 and refusal == "disk full"
+            assert not (daemon.data_dir / "reserve").exists()  # spent on what follows
+            # What frees space works; sets stay refused meanwhile.
+            assert client.get("q") is not None
+            assert client.get("q/open") is not None
+            assert client.get("q/close") is None
+            assert client.delete("other", noreply=False)
+            with pytest.raises(MemcacheServerError, match="disk full"):
+                client.set("q", b"more", noreply=False)
+            taken = 2
+            while client.get("q") is not None:
+                taken += 1
+            assert taken == stored
+            # Drained, the queue gives its space back, and the reserve returns.
+            for _ in range(100):
+                if (daemon.data_dir / "reserve").exists():
+                    break
+                client.get("q")  # each command gives the worker a turn to look
+                time.sleep(0.1)
+            assert (daemon.data_dir / "reserve").exists()
+            assert data_bytes(daemon.data_dir) < 4 << 20
+            client.set("q", b"after", noreply=False)
+            # Full again, then a crash: the restart recovers in the reserve's room.
+            stored, refusal = fill(client, "q", ids)
+            assert stored > 500 and refusal == "disk full"
+            daemon.kill()
+            daemon.start()
+            client = Client(daemon.address, timeout=10)
+            left = []
+            while (body := client.get("q")) is not None:
+                left.append(body)
+            assert len(left) == stored + 1 and b"after" in left  # every STORED one
+            assert client.flush_all(noreply=False)
+            assert client.get("q") is None
+
+
+def test_start_on_a_full_disk_names_enospc_and_the_path(tmp_path: Path) -> None:
+    with small_disk(tmp_path / "disk", "16m") as disk:
+        daemon = Daemon(disk, backend="bdb", config_text=config("bdb"))
+        with daemon:
+            Client(daemon.address, timeout=10).set("q", b"kept", noreply=False)
+        (daemon.data_dir / "reserve").unlink()
+        # Until the disk is full:
+        with open(disk / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
+            while True:
+                filler.write(b"\0" * 65536)
+        with pytest.raises(RuntimeError) as failed:
+            daemon.start()
+        log = daemon.log()
+        assert f"Error: no space left on device (ENOSPC) in {daemon.data_dir}" in log, log[-2000:]
+        assert "needs recovery" not in str(failed.value).splitlines()[-1]
+        (disk / "filler").unlink()
+        daemon.start()
+        try:
+            assert Client(daemon.address, timeout=10).get("q") == b"kept"
+        finally:
+            daemon.kill()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_max_disk_bytes_refuses_sets_before_the_disk_fills(name: str, tmp_path: Path) -> None:
+    limit = 3 << 20
+    daemon = Daemon(tmp_path, backend=name, config_text=config(name, f"max_disk_bytes = {limit}\n"))
+    with daemon:
+        client = Client(daemon.address, timeout=10)
+        stored, refusal = fill(client, "q", itertools.count())
+        assert refusal == "out of memory storing object"
+        assert stored > 100
+        # Within what arrives between two looks at the directory (0.1 s).
+        assert data_bytes(daemon.data_dir) < limit + (2 << 20)
+        assert client.get("q") is not None
+        assert client.delete("q", noreply=False)
