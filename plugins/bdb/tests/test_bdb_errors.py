@@ -103,7 +103,7 @@ def test_full_disk_loses_nothing_acknowledged(name: str, tmp_path: Path) -> None
     with small_disk(tmp_path / "disk", "3m") as disk:
 
         async def main() -> None:
-            b = make(name, disk / "data", log_file_mb=1, cache_mb=4)
+            b = make(name, disk / "data", log_file_mb=1, cache_mb=4, reserve_mb=1)
             await b.open()
             acked = []
             error: StorageError | None = None

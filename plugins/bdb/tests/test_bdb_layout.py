@@ -27,7 +27,7 @@ def test_bdb_delete_removes_the_queue_files(tmp_path: Path) -> None:
         await put(b, "Jobs", b"x")
         assert {stem + ".btree", stem + ".hash"} <= files(tmp_path)
         assert await b.delete("Jobs", sync=ALWAYS) is True
-        assert files(tmp_path) == {"LOCK", "catalog.db"}
+        assert files(tmp_path) == {"LOCK", "catalog.db", "reserve"}
 
     session("bdb", tmp_path, body)
 
@@ -51,7 +51,7 @@ def test_single_file_delete_purges_records(name: str, tmp_path: Path) -> None:
         assert await return_own(b) == []
 
     session(name, tmp_path, body)
-    assert files(tmp_path) == {"LOCK", "queues.db"}
+    assert files(tmp_path) == {"LOCK", "queues.db", "reserve"}
     env = db.DBEnv()
     env.open(str(tmp_path), ENV_FLAGS)
     try:

@@ -25,7 +25,9 @@ def hostile_names() -> list[str]:
     names.add(decode_name(ALLOWED[-250:]))
     names.add(decode_name((ALLOWED * 2)[100:350]))
     names.update(["a" * 249 + "B", "a" * 249 + "b", "%2E%2E", "%2e", "%", "%%", "q-x", "h-x"])
-    names.update(["LOCK", "catalog.db", "queues.db", "log.0000000001", "__db.001", "CON", "nul"])
+    names.update(
+        ["LOCK", "catalog.db", "queues.db", "reserve", "log.0000000001", "__db.001", "CON", "nul"]
+    )
     assert all(1 <= len(encode_name(n)) <= 250 for n in names)
     return sorted(names)
 
@@ -66,6 +68,7 @@ def test_hostile_names_round_trip_and_stay_inside(name: str, tmp_path: Path) -> 
         assert sorted(e.name for e in os.scandir(data_dir) if not e.name.startswith("log.")) == [
             "LOCK",
             "queues.db",
+            "reserve",
         ]
 
 
