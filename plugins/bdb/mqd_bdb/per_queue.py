@@ -6,6 +6,7 @@ are closed beyond `max_open_queues`.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,6 +20,7 @@ from mqd_bdb.config import BdbConfig
 from mqd_bdb.fifo import FifoStore
 from mqd_bdb.names import file_stem
 from mqd_bdb.records import CAT_RESERVED, delete_range
+from mqd_bdb.store import COMPACT_MIN_BYTES
 
 
 class PerQueueStore(FifoStore):
@@ -72,11 +74,17 @@ class PerQueueStore(FifoStore):
             _close_files(self._lru.popitem(last=False)[1])
 
     def _compact(self, emptied: list[QueueState], freed: bool) -> None:
+        # Compacting truncates the files, which costs a pass over the cache:
+        # only files grown past a small size (a queue kept near empty is not).
         for q in emptied:
-            if q.mdb is None:
-                self._attach(q)
-            q.mdb.compact(flags=db.DB_FREE_SPACE)
-            q.udb.compact(flags=db.DB_FREE_SPACE)
+            btree, table = (self.data_dir / (q.stem + suffix) for suffix in (".btree", ".hash"))
+            with contextlib.suppress(FileNotFoundError):
+                if btree.stat().st_size + table.stat().st_size < COMPACT_MIN_BYTES:
+                    continue
+                if q.mdb is None:
+                    self._attach(q)
+                q.mdb.compact(flags=db.DB_FREE_SPACE)
+                q.udb.compact(flags=db.DB_FREE_SPACE)
 
     def _clear_index(self, txn: Any, q: QueueState, limit: int) -> int:
         q.udb.truncate(txn)  # the file holds this queue's counts only
