@@ -140,6 +140,8 @@ class Soak:
     #: The queues producers write to, and every queue consumers read.
     targets: tuple[str, ...] = QUEUES
     queues: tuple[str, ...] = QUEUES
+    #: The share of reads that are plain `get`s; the rest are `/open` then `/close`.
+    plain_share = 0.5
 
     def __init__(
         self,
@@ -158,6 +160,10 @@ class Soak:
         self._stop_producing = threading.Event()
         self._stop_consuming = threading.Event()
         self._lock = threading.Lock()
+        self._keep_books()
+
+    def _keep_books(self) -> None:
+        """Set up what the books need beyond Books; nothing here."""
 
     # -- client threads ----------------------------------------------------
 
@@ -200,16 +206,16 @@ class Soak:
         while client is not None and not self._stop_consuming.is_set():
             queue = rng.choice(self.queues)
             open_message = None
-            plain = rng.random() < 0.5
+            plain = rng.random() < self.plain_share
             try:
                 if plain:
                     message = client.get(queue)
                     if message is not None:
-                        self.books.taken.append(message)
+                        self._took(queue, message)
                 else:
                     open_message = client.get(queue + "/open")
                     if open_message is not None:
-                        self.books.opened.append(open_message)
+                        self._opened(queue, open_message)
                         if client.get(queue + "/close") is not None:
                             self.books.errors.append("/close returned a value")
                         open_message = None
@@ -218,7 +224,7 @@ class Soak:
             except Gone:
                 with self._lock:
                     if open_message is not None:
-                        self.books.lost_open.add(open_message)
+                        self._lost_open(queue, open_message)
                     elif plain:
                         self.books.lost_gets += 1
                 client.close()
@@ -267,6 +273,12 @@ class Soak:
 
     def _took(self, queue: str, message: bytes) -> None:
         self.books.taken.append(message)
+
+    def _opened(self, queue: str, message: bytes) -> None:
+        self.books.opened.append(message)
+
+    def _lost_open(self, queue: str, message: bytes) -> None:
+        self.books.lost_open.add(message)
 
     def _drain(self) -> None:
         """Take what is left, until every queue stays empty for a moment."""
@@ -349,16 +361,11 @@ class FanoutSoak(Soak):
 
     targets = (FANOUT_PARENT,)
     queues = FANOUT_QUEUES
+    plain_share = 0.0  # a plain get cut off by a kill would lose a copy
 
-    def __init__(
-        self,
-        workdir: Path,
-        backend: str,
-        producers: int = 3,
-        consumers: int = 3,
-        seed: int | None = None,
-    ) -> None:
-        super().__init__(workdir, backend, producers, consumers, seed)
+    fanout: FanoutBooks
+
+    def _keep_books(self) -> None:
         self.fanout = FanoutBooks()
         # The producers' bookkeeping (sent, stored) is shared with Soak's.
         self.books.sent = self.fanout.sent
@@ -378,24 +385,8 @@ class FanoutSoak(Soak):
     def _took(self, queue: str, message: bytes) -> None:
         self.fanout.seen[queue].append(message)
 
-    def _consume(self, index: int) -> None:
-        rng = random.Random(1000 + index)
-        client = self._connect(self._stop_consuming)
-        while client is not None and not self._stop_consuming.is_set():
-            queue = rng.choice(self.queues)
-            open_message = None
-            try:
-                open_message = client.get(queue + "/open")
-                if open_message is not None:
-                    self._took(queue, open_message)
-                    if client.get(queue + "/close") is not None:
-                        self.fanout.errors.append("/close returned a value")
-                    open_message = None
-            except Gone:
-                if open_message is not None:
-                    with self._lock:
-                        self.fanout.lost_open[queue].add(open_message)
-                client.close()
-                client = self._connect(self._stop_consuming)
-        if client is not None:
-            client.close()
+    def _opened(self, queue: str, message: bytes) -> None:
+        self.fanout.seen[queue].append(message)
+
+    def _lost_open(self, queue: str, message: bytes) -> None:
+        self.fanout.lost_open[queue].add(message)
