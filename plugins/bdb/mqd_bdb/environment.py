@@ -61,7 +61,7 @@ class Environment:
                     raise
                 self._close_env()
                 self._open_env()
-            self.space.start(lambda: self.checkpoint(True))
+            self.space.start(self.free_log)
         except BaseException as exc:
             self._close_env()
             self._unlock()
@@ -179,6 +179,11 @@ class Environment:
     def trickle(self, percent: int) -> None:
         """Write dirty pages out until `percent` of the cache is clean."""
         self.env.memp_trickle(percent)
+
+    def free_log(self) -> None:
+        """Checkpoint and remove the log files that are no longer needed, at once."""
+        self.env.txn_checkpoint(0, 0, db.DB_FORCE)
+        self.env.log_archive(db.DB_ARCH_REMOVE)
 
     def checkpoint(self, force: bool) -> None:
         """Write dirty pages and a checkpoint if enough log has accumulated (or `force`)."""

@@ -154,7 +154,7 @@ class Store(Catalog):
         if self.space.out and now - self._checkpointed >= LOOK_S:
             # Old log files go at a checkpoint: take one often while short of room.
             self._checkpointed = now
-            self.checkpoint(True)
+            self.free_log()
             self.space.look()
 
     def _compact(self, emptied: list[QueueState], freed: bool) -> None:
