@@ -72,6 +72,10 @@ class Worker:
         self._committed: queue.SimpleQueue[Committed | None] = queue.SimpleQueue()
         # Held by the flusher while it syncs, by the worker while it reopens.
         self._env_lock = threading.Lock()
+        # Batches handed to the flusher (counted by the worker alone) and
+        # answered by it (counted by the flusher alone).
+        self._handed = 0
+        self._answered = 0
         # The keeper's state, under its condition: the environment is used by
         # it only while `_env_open`; changes since it last looked; when
         # periodic writes must be synced by.
@@ -205,7 +209,12 @@ class Worker:
         published: Published = {}
         writers, periodic, stop = self._batch(results, published)
         if results or published:
-            self._committed.put((results, published, writers))
+            if not writers and self._answered == self._handed:
+                # Nothing to sync and nothing before it unanswered: no hop.
+                self._post(self.deliver, results, published)
+            else:
+                self._handed += 1
+                self._committed.put((results, published, writers))
         return writers > 0, periodic, stop
 
     def _flush(self) -> None:
@@ -236,6 +245,8 @@ class Worker:
                 published.update(gauges)  # in commit order: the latest gauges win
             if results or published:
                 self._post(self.deliver, results, published)
+            # Answered (posted) before counted: the worker may post after it.
+            self._answered += sum(item is not None for item in items)
             if None in items:
                 return
 
