@@ -2,24 +2,24 @@
 
 The event loop hands jobs over in bundles and awaits their futures. The worker
 takes whatever has arrived (up to `max_batch` jobs) and runs it in one
-transaction, committed without a sync, then hands the results to the flusher
-and goes on with the next batch. The flusher takes every committed batch
-waiting for it; if any of their jobs asked for `Sync.ALWAYS`, it syncs the log
-once for all of them (group commit), then hands every result back to the loop
-in one call_soon_threadsafe, in commit order. So the next batches run while a
-sync is under way, and a sync covers everything committed meanwhile.
+transaction, committed without a sync. If a job asked for `Sync.ALWAYS`, the
+log is synced once for the batch before any result is handed back (group
+commit); and since writers answered by one sync tend to come back together,
+the worker first waits a little (at most one sync's duration) for as many
+writers as the last sync had, running what they send: one sync for all of
+them costs less than two. All results of a sync go back to the loop in one
+call_soon_threadsafe.
 
 Between batches the worker closes idle files and purges deleted queues. A
-third thread, the keeper, syncs the log for `Sync.PERIODIC`, writes dirty
+second thread, the keeper, syncs the log for `Sync.PERIODIC`, writes dirty
 pages out ahead of time and checkpoints, so that none of that stalls the
-worker. The flusher and the keeper use the environment alone (opened
-DB_THREAD for it), never a database handle.
+worker; it uses the environment alone (opened DB_THREAD for it), never a
+database handle.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
@@ -39,6 +39,7 @@ log = logging.getLogger("mqd.bdb")
 STOP = -1  # operation code of the job that closes the store and ends the thread
 CHECK_S = 1.0  # how often the keeper looks at the cache and the log while changes come
 TRICKLE_PERCENT = 20  # the keeper writes dirty pages out until this much of the cache is clean
+MAX_GATHER_S = 0.002  # the longest a sync waits for more writers
 MAX_BATCH_BYTES = 8 << 20  # a batch of large messages ends after this many body bytes
 
 ALWAYS = Sync.ALWAYS
@@ -46,8 +47,6 @@ PERIODIC = Sync.PERIODIC
 
 Published = dict[str, QueueSize | None]
 Deliver = Callable[[list[jobs.Result], Published], None]
-#: A committed batch for the flusher: its results, gauges, and jobs awaiting a sync.
-Committed = tuple[list[jobs.Result], Published, int]
 
 
 class Worker:
@@ -68,14 +67,6 @@ class Worker:
         self.inbox: queue.SimpleQueue[list[jobs.Job]] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="mqd-bdb", daemon=True)
         self._keeper = threading.Thread(target=self._keep, name="mqd-bdb-keeper", daemon=True)
-        self._flusher = threading.Thread(target=self._flush, name="mqd-bdb-flusher", daemon=True)
-        self._committed: queue.SimpleQueue[Committed | None] = queue.SimpleQueue()
-        # Held by the flusher while it syncs, by the worker while it reopens.
-        self._env_lock = threading.Lock()
-        # Batches handed to the flusher (counted by the worker alone) and
-        # answered by it (counted by the flusher alone).
-        self._handed = 0
-        self._answered = 0
         # The keeper's state, under its condition: the environment is used by
         # it only while `_env_open`; changes since it last looked; when
         # periodic writes must be synced by.
@@ -87,6 +78,7 @@ class Worker:
         self._busy = False
         self._ready: deque[jobs.Job] = deque()  # taken from the inbox, not yet run
         self._opened: asyncio.Future[dict[str, QueueSize]] | None = None
+        self._expected = 0  # writers the last sync answered
         self._sync_s = 0.0  # how long a sync takes, on average
         # Counters, for tests and stats.
         self.batches = 0
@@ -141,7 +133,6 @@ class Worker:
             return
         self._env_open = True
         self._keeper.start()
-        self._flusher.start()
         self._post(_settle, opened, None, sizes)
         self._serve()
 
@@ -204,51 +195,31 @@ class Worker:
             self._keeper_cond.notify()
 
     def _round(self) -> tuple[bool, bool, jobs.Job | None]:
-        """Run a batch, hand it to the flusher; (any ALWAYS job, any PERIODIC, STOP if met)."""
+        """Run batches up to one sync; (synced, any PERIODIC job, the STOP job if met)."""
         results: list[jobs.Result] = []
         published: Published = {}
         writers, periodic, stop = self._batch(results, published)
+        if writers and stop is None and writers < self._expected:
+            deadline = time.monotonic() + min(self._sync_s, MAX_GATHER_S)
+            while writers < self._expected and stop is None:
+                left = deadline - time.monotonic()
+                if not self._ready and (left <= 0 or not self._take(left)):
+                    break
+                more, more_periodic, stop = self._batch(results, published)
+                writers += more
+                periodic = periodic or more_periodic
+        if writers:
+            self._expected = writers
+            try:
+                start = time.monotonic()
+                self.store.flush()
+                self._sync_s += (time.monotonic() - start - self._sync_s) / 8
+                self.flushes += 1
+            except Exception as exc:
+                results = self._unflushed(results, storage_error(exc))
         if results or published:
-            if not writers and self._answered == self._handed:
-                # Nothing to sync and nothing before it unanswered: no hop.
-                self._post(self.deliver, results, published)
-            else:
-                self._handed += 1
-                self._committed.put((results, published, writers))
+            self._post(self.deliver, results, published)
         return writers > 0, periodic, stop
-
-    def _flush(self) -> None:
-        """The flusher thread: one sync for every committed batch waiting, then the answers."""
-        waiting = self._committed
-        while True:
-            items = [waiting.get()]
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    items.append(waiting.get_nowait())
-            error: BaseException | None = None
-            if any(item is not None and item[2] for item in items):
-                with self._env_lock:
-                    try:
-                        start = time.monotonic()
-                        self.store.flush()
-                        self._sync_s += (time.monotonic() - start - self._sync_s) / 8
-                        self.flushes += 1
-                    except Exception as exc:
-                        error = storage_error(exc)
-            results: list[jobs.Result] = []
-            published: Published = {}
-            for item in items:
-                if item is None:
-                    continue
-                got, gauges, writers = item
-                results.extend(got if error is None or not writers else self._unflushed(got, error))
-                published.update(gauges)  # in commit order: the latest gauges win
-            if results or published:
-                self._post(self.deliver, results, published)
-            # Answered (posted) before counted: the worker may post after it.
-            self._answered += sum(item is not None for item in items)
-            if None in items:
-                return
 
     def _batch(
         self, results: list[jobs.Result], published: Published
@@ -283,8 +254,7 @@ class Worker:
         try:
             if store.panicked:
                 self._pause_keeper()
-                with self._env_lock:
-                    published.update(store.reopen())
+                published.update(store.reopen())
                 self._resume_keeper()
                 log.warning("Berkeley DB environment in %s recovered", store.data_dir)
             store.execute(batch, results, published)
@@ -315,8 +285,6 @@ class Worker:
             self.flushes,
             self._sync_s * 1e6,
         )
-        self._committed.put(None)  # the flusher answers what is left, then ends
-        self._flusher.join()
         with self._keeper_cond:
             self._keeper_stop = True
             self._env_open = False
