@@ -133,65 +133,6 @@ def test_one_lock_and_commit_serve_many_pending_calls(aerospike_host: str, tmp_p
     run_with(make(aerospike_host, tmp_path), body)
 
 
-def test_a_busy_shard_keeps_its_lock_between_cycles(aerospike_host: str, tmp_path: Path) -> None:
-    """One producer and one consumer, one call at a time: the lock is kept from one
-    cycle to the next, so most cycles cost one call (their commit) instead of two."""
-
-    async def body(b: AerospikeBackend) -> None:
-        await fill(b, "q", 1)
-        await drain(b, "q")
-        before = b.calls
-        got = []
-        for i in range(200):
-            assert await b.put("q", Message(f"{i}".encode()), sync=ALWAYS) is Put.STORED
-            m = await b.take("q", sync=ALWAYS)
-            assert m is not None
-            got.append(m.body)
-        assert got == [f"{i}".encode() for i in range(200)]
-        assert b.calls - before < 2.5 * 200  # four a message if every cycle took the lock
-
-    run_with(make(aerospike_host, tmp_path), body)
-
-
-def test_a_kept_lock_is_let_go_when_another_daemon_asks(
-    aerospike_host: str, tmp_path: Path
-) -> None:
-    """Daemon a never pauses on the queue; daemon b's sets get through meanwhile."""
-
-    async def body(a: AerospikeBackend) -> None:
-        b = make(aerospike_host, tmp_path, owner="b")
-        await b.open()
-        stop = asyncio.Event()
-        taken: list[bytes] = []
-
-        async def busy() -> int:
-            i = 0
-            while not stop.is_set():
-                assert await a.put("q", Message(b"a%d" % i), sync=ALWAYS) is Put.STORED
-                m = await a.take("q", sync=ALWAYS)
-                assert m is not None
-                taken.append(m.body)
-                i += 1
-            return i
-
-        try:
-            running = asyncio.ensure_future(busy())
-            await asyncio.sleep(0.05)
-            for i in range(20):
-                assert await b.put("q", Message(b"b%d" % i), sync=ALWAYS) is Put.STORED
-            assert not running.done()  # b was served while a kept on
-            stop.set()
-            made = await running
-            taken += [m.body for m in await drain(b, "q")]
-            expected = {b"a%d" % i for i in range(made)} | {b"b%d" % i for i in range(20)}
-            assert sorted(taken) == sorted(expected)
-        finally:
-            stop.set()
-            await b.close()
-
-    run_with(make(aerospike_host, tmp_path, owner="a"), body)
-
-
 def test_broken_lock_refuses_commit_and_fences_stale_writes(
     aerospike_host: str, tmp_path: Path
 ) -> None:
