@@ -43,8 +43,8 @@ class AerospikeConfig:
     threads: int = 8
     #: How long a queue shard's lock is held at most before the next requester may break it.
     lock_lease_ms: int = 1000
-    #: From [storage] poll_interval_ms: the bound on how long a waiting get takes
-    #: to see a message another daemon put (its queue is polled twice per interval).
+    #: From [storage] poll_interval_ms: how often queues that gets wait on are
+    #: polled for messages other daemons put.
     poll_interval_ms: int = 50
     #: The largest message body to plan buffer records for: entries per record
     #: are as many as fit at this size, and larger bodies are refused.
