@@ -40,7 +40,6 @@ from mqd.protocol import name_bytes, name_text
 from mqd_aerospike.config import AerospikeConfig
 from mqd_aerospike.lanes import Lanes
 from mqd_aerospike.ops import (
-    KEPT,
     DeleteOp,
     FinishMoveOp,
     LeaseOp,
@@ -58,11 +57,6 @@ from mqd_aerospike.shard import Memo, Meta, message_of
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: Sets in a row that go to a shard whose lock is kept waiting for more (and
-#: not to the next shard): cheap (no lock to take), but one producer's sets
-#: must still spread over the queue's shards.
-STREAK = 8
 
 #: Polls of the watched queues per `poll_interval_ms`.
 POLLS_PER_INTERVAL = 2
@@ -91,7 +85,6 @@ class AerospikeBackend(Backend):
         self._empty: Memo[tuple[str, int], bool] = Memo()  # last seen: nothing waiting there
         self._turn = random.randrange(1 << 16)  # where this daemon's gets and sets start
         self._homes: Memo[str, int] = Memo()  # the shard this daemon's sets go to now, by queue
-        self._streaks: Memo[str, int] = Memo()  # sets in a row that found its lock kept idle
         self._watched: dict[str, int] = {}
         self._seen: dict[str, tuple[int, ...]] = {}
         self._poller: asyncio.Task[None] | None = None
@@ -263,17 +256,10 @@ class AerospikeBackend(Backend):
         """The shard a set goes to: one whose cycle is under way, so that it
         joins the next batch there, or else the next in this daemon's turn."""
         home = self._homes.get(queue)
-        busy = self._lanes.busy(queue, home) if home is not None else ""
-        if home is not None and busy:
-            # A lock kept for what may come takes only a few sets in a row:
-            # one producer's sets still spread over the shards.
-            streak = self._streaks.get(queue, 0) + 1 if busy == KEPT else 0
-            if streak <= STREAK:
-                self._streaks[queue] = streak
-                return home
+        if home is not None and self._lanes.busy(queue, home):
+            return home
         self._turn += 1
         self._homes[queue] = home = self._turn % shards
-        self._streaks[queue] = 0
         return home
 
     async def take(self, queue: str, *, sync: Sync) -> Message | None:
@@ -463,7 +449,6 @@ class AerospikeBackend(Backend):
     def _forget(self, queue: str, shards: int) -> None:
         self._shards.pop(queue, None)
         self._homes.pop(queue, None)
-        self._streaks.pop(queue, None)
         for s in range(shards):
             self._empty.pop((queue, s), None)
 

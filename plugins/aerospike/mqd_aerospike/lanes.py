@@ -63,13 +63,10 @@ class Lanes:
         self._lanes: dict[tuple[str, int], _Lane] = {}
         self.tasks: set[asyncio.Task[None]] = set()
 
-    def busy(self, queue: str, shard: int) -> str:
-        """ "cycle" when a cycle is under way on the shard (what is submitted now joins
-        the next), "kept" when its lock is kept waiting for more, else ""."""
+    def busy(self, queue: str, shard: int) -> bool:
+        """Whether a cycle is under way on the shard (what is submitted now joins the next)."""
         lane = self._lanes.get((queue, shard))
-        if lane is None or not lane.running:
-            return ""
-        return KEPT if lane.lingering else "cycle"
+        return lane is not None and lane.running and not lane.lingering
 
     def submit(self, queue: str, shard: int, op: Op, shards: int = 1) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
