@@ -58,9 +58,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Polls of the watched queues per `poll_interval_ms`.
-POLLS_PER_INTERVAL = 2
-
 INSTALL_HINT = "the aerospike backend needs the aerospike client: pip install 'aerospike>=19,<20'"
 
 
@@ -504,17 +501,12 @@ class AerospikeBackend(Backend):
             self._seen.pop(queue, None)
 
     async def _poll(self) -> None:
-        """Wake gets waiting here when another daemon changed a watched queue.
-
-        Polled POLLS_PER_INTERVAL times per interval: a message stored
-        elsewhere waits for the next poll (up to one period), the poll's call
-        and the get's own cycle, all within the interval.
-        """
-        interval = self.config.poll_interval_ms / 1000 / POLLS_PER_INTERVAL
+        """Wake gets waiting here when another daemon changed a watched queue."""
+        interval = self.config.poll_interval_ms / 1000
         loop = asyncio.get_running_loop()
         began = loop.time()
         while True:
-            # A poll every period, the time the last one took included.
+            # A poll every interval, the time the last one took included.
             await asyncio.sleep(max(began + interval - loop.time(), 0))
             began = loop.time()
             if not self._watched or self._store is None:

@@ -78,8 +78,8 @@ class _Kept:
     """A lock kept from one cycle to the next, with the state it guards.
 
     A cycle keeps its shard's lock through its commit when operations wait
-    for the next cycle, or when the queue has one shard and it is busy (this
-    cycle started within LINGER of the last one's end). The next cycle then needs no call to lock
+    for the next cycle, or when the shard is busy (this cycle started within
+    LINGER of the last one's end). The next cycle then needs no call to lock
     and read the state (it has them), and the entries it hands out were read
     by the commit before it, in the same call: one call per cycle instead of
     two. A lock kept with nothing waiting is freed after LINGER unless an
@@ -135,9 +135,7 @@ class Store(Connection):
         now_ms = int(now * 1000)
         where = (name, shard)
         kept = self._kept.pop(where, None)
-        # Sets spread over a sharded queue's shards (a lock kept idle there would
-        # mostly be freed unused): only a lone shard keeps its lock for what may come.
-        busy = shards == 1 and time.monotonic() - self._ended.get(where, -LINGER) < LINGER
+        busy = time.monotonic() - self._ended.get(where, -LINGER) < LINGER
         tagged = any(isinstance(o, PutOp) and o.tag for o in ops)
         fanning = any(isinstance(o, PutOp) and o.fanout for o in ops)
         children: list[str] = []
