@@ -50,8 +50,6 @@ class Apply:
         self.wanted: set[int] = set()
         self.puts: dict[PutOp, int] = {}  # each stored put's offset
         self.keys: dict[bytes, int] = {}  # buffer record's user key -> its index
-        #: The queue's fanout children, when the commit read them for the next cycle.
-        self.children: list[str] | None = None
 
     def entry(self, offset: int) -> list[Any] | None:
         if offset not in self.entries:

@@ -15,7 +15,6 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -75,9 +74,7 @@ class AerospikeBackend(Backend):
         self._store: Any = None
         self._pool: ThreadPoolExecutor | None = None
         self._shards: Memo[str, int] = Memo()  # queue -> shard count, as stored
-        self._lanes = Lanes(
-            self._cycle, self._release, self.config.max_batch, self._shards.__setitem__
-        )
+        self._lanes = Lanes(self._cycle, self.config.max_batch, self._shards.__setitem__)
         self._looking: dict[str, asyncio.Future[int | None]] = {}
         self._empty: Memo[tuple[str, int], bool] = Memo()  # last seen: nothing waiting there
         self._turn = random.randrange(1 << 16)  # where this daemon's gets and sets start
@@ -126,18 +123,8 @@ class AerospikeBackend(Backend):
             raise StorageError("aerospike backend is not open")
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def _cycle(
-        self,
-        name: bytes,
-        shard: int,
-        shards: int,
-        batch: list[Op],
-        more: Callable[[], tuple[int, int]],
-    ) -> str:
-        return str(await self._blocking(self._store.cycle, name, shard, shards, batch, more))
-
-    async def _release(self, name: bytes, shard: int) -> None:
-        await self._blocking(self._store.release, name, shard)
+    async def _cycle(self, name: bytes, shard: int, shards: int, batch: list[Op]) -> str:
+        return str(await self._blocking(self._store.cycle, name, shard, shards, batch))
 
     async def _shard_count(self, queue: str) -> int | None:
         """How many shards the queue has; None when it does not exist."""

@@ -7,7 +7,6 @@ starts, so calls that arrive together share one lock and one commit.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -16,18 +15,15 @@ from typing import Any
 
 from mqd.errors import StorageError
 from mqd.protocol import name_bytes
-from mqd_aerospike.ops import KEPT, LINGER, HoleOp, Op, PutOp
+from mqd_aerospike.ops import HoleOp, Op, PutOp
 
 log = logging.getLogger(__name__)
 
 BACKOFF_FIRST = 0.0005
 BACKOFF_MAX = 0.05
 
-#: Runs one cycle in a worker thread: (queue name, shard, shard count, batch,
-#: how many operations and dequeues wait for the shard's next cycle) -> outcome.
-Cycle = Callable[[bytes, int, int, list[Op], Callable[[], tuple[int, int]]], Awaitable[str]]
-#: Frees a shard's lock kept by its last cycle: (queue name, shard).
-Release = Callable[[bytes, int], Awaitable[None]]
+#: Runs one cycle in a worker thread: (queue name, shard, shard count, batch) -> outcome.
+Cycle = Callable[[bytes, int, int, list[Op]], Awaitable[str]]
 
 
 @dataclass
@@ -36,28 +32,13 @@ class _Lane:
 
     pending: list[Op] = field(default_factory=list)
     running: bool = False
-    lingering: bool = False  # its lock kept, no cycle under way
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def waiting(self) -> tuple[int, int]:
-        """How many operations, and how many dequeues, wait for the next cycle.
-
-        Asked from the cycle's thread: only this lane's own task takes from
-        `pending`, and it is waiting for that cycle, so they are all still
-        there when the next cycle starts.
-        """
-        pending = list(self.pending)
-        return len(pending), sum(1 for o in pending if o.dequeue)
 
 
 class Lanes:
     """Every shard's queue of operations, served one cycle at a time per shard."""
 
-    def __init__(
-        self, cycle: Cycle, release: Release, max_batch: int, seen: Callable[[str, int], None]
-    ) -> None:
+    def __init__(self, cycle: Cycle, max_batch: int, seen: Callable[[str, int], None]) -> None:
         self._cycle = cycle
-        self._release = release
         self._max_batch = max_batch
         self._seen = seen  # told each queue's shard count as cycles find it
         self._lanes: dict[tuple[str, int], _Lane] = {}
@@ -66,7 +47,7 @@ class Lanes:
     def busy(self, queue: str, shard: int) -> bool:
         """Whether a cycle is under way on the shard (what is submitted now joins the next)."""
         lane = self._lanes.get((queue, shard))
-        return lane is not None and lane.running and not lane.lingering
+        return lane is not None and lane.running
 
     def submit(self, queue: str, shard: int, op: Op, shards: int = 1) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
@@ -75,7 +56,6 @@ class Lanes:
         if lane is None:
             lane = self._lanes[(queue, shard)] = _Lane()
         lane.pending.append(op)
-        lane.arrived.set()
         if not lane.running:
             lane.running = True
             task = loop.create_task(self._serve(queue, shard, lane, shards))
@@ -91,14 +71,14 @@ class Lanes:
                 batch = lane.pending[: self._max_batch]
                 del lane.pending[: len(batch)]
                 try:
-                    outcome = await self._cycle(name, shard, shards, batch, lane.waiting)
+                    outcome = await self._cycle(name, shard, shards, batch)
                 except Exception as error:
                     failure = error if isinstance(error, StorageError) else _wrap(error)
                     for o in batch:
                         if not o.future.done():
                             o.future.set_exception(failure)
                     continue
-                if outcome in ("done", KEPT):
+                if outcome == "done":
                     backoff = BACKOFF_FIRST
                     holes = []
                     for o in batch:
@@ -116,8 +96,6 @@ class Lanes:
                         self.submit(queue, shard, HoleOp(holes=holes), shards).add_done_callback(
                             _log_failure
                         )
-                    if outcome == KEPT and not lane.pending:
-                        await self._linger(name, shard, lane)
                     continue
                 lane.pending[0:0] = batch
                 if outcome == "busy":
@@ -127,22 +105,6 @@ class Lanes:
             lane.running = False
             if not lane.pending:
                 self._lanes.pop((queue, shard), None)
-
-    async def _linger(self, name: bytes, shard: int, lane: _Lane) -> None:
-        """The lock was kept for operations that may come: free it unless they do soon."""
-        lane.arrived.clear()
-        lane.lingering = True
-        try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(lane.arrived.wait(), LINGER)
-        finally:
-            lane.lingering = False
-        if lane.pending:
-            return
-        try:
-            await self._release(name, shard)
-        except Exception as error:  # the lock's lease ends it anyway
-            log.warning("could not free a queue's lock: %s", error)
 
 
 def _log_failure(future: asyncio.Future[Any]) -> None:

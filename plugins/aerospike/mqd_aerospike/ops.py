@@ -8,13 +8,6 @@ from typing import Any
 
 from mqd.backend import Limits, Message, Put, Receipt
 
-#: A cycle's outcome when it kept its shard's lock for the next one.
-KEPT = "kept"
-#: Seconds a kept lock waits for more operations before it is freed; also how
-#: soon after a cycle the next must start for the shard to count as busy
-#: (whose cycles then keep the lock).
-LINGER = 0.002
-
 
 @dataclass(eq=False)
 class Op:

@@ -18,7 +18,6 @@ those changes; mqd_aerospike.store does the round trips.
 
 from __future__ import annotations
 
-import itertools
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -204,10 +203,10 @@ class Meta:
         # Below cur a dequeue already passed it and took it out of `items`.
         self.size -= size
 
-    def waiting_offsets(self, at_most: int | None = None) -> list[int]:
-        """Every waiting offset (or the `at_most` oldest), oldest first."""
+    def waiting_offsets(self) -> list[int]:
+        """Every waiting offset, oldest first."""
         fresh = (o for o in range(self.cur, self.tail) if o not in self.gone)
-        return list(itertools.islice(itertools.chain(sorted(self.ret), fresh), at_most))
+        return [*sorted(self.ret), *fresh]
 
     def is_waiting(self, offset: int) -> bool:
         return offset in self.ret or (self.cur <= offset < self.tail and offset not in self.gone)

@@ -23,8 +23,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 import aerospike
@@ -49,8 +48,6 @@ from mqd_aerospike.connection import (
     slots_of,
 )
 from mqd_aerospike.ops import (
-    KEPT,
-    LINGER,
     DeleteOp,
     Op,
     PutOp,
@@ -61,38 +58,6 @@ from mqd_aerospike.shard import MAP_BINS, STATE_BINS, Memo, Meta
 log = logging.getLogger(__name__)
 
 DONE, BUSY, RETRY = "done", "busy", "retry"
-
-#: The bin a daemon that found the lock held writes the time into.
-WANTED = "wq"
-
-#: How many operations, and how many dequeues, wait for a shard's next cycle.
-More = Callable[[], tuple[int, int]]
-
-
-def _never() -> tuple[int, int]:
-    return 0, 0
-
-
-@dataclass
-class _Kept:
-    """A lock kept from one cycle to the next, with the state it guards.
-
-    A cycle keeps its shard's lock through its commit when operations wait
-    for the next cycle, or when the shard is busy (this cycle started within
-    LINGER of the last one's end). The next cycle then needs no call to lock
-    and read the state (it has them), and the entries it hands out were read
-    by the commit before it, in the same call: one call per cycle instead of
-    two. A lock kept with nothing waiting is freed after LINGER unless an
-    operation comes (mqd_aerospike.lanes). A commit keeps it for at most a
-    quarter of the lock's lease after taking it, and never once another
-    daemon found it held (bin WANTED): that daemon gets it at the next commit.
-    """
-
-    nonce: str
-    meta: Meta
-    entries: dict[int, list[Any]]
-    taken_ms: int
-    children: list[str] | None  # the queue's fanout children; None: unknown
 
 
 def _lock_free(now_ms: int, previous: str) -> x._BaseExpr:
@@ -116,123 +81,24 @@ class Store(Connection):
         #: The state each shard was left in by this daemon's last cycle, to
         #: guess which entries the next dequeues will read.
         self._hints: Memo[tuple[bytes, int], tuple[int, int, tuple[int, ...], int, int]] = Memo()
-        self._kept: dict[tuple[bytes, int], _Kept] = {}
-        #: When each shard's last cycle ended (monotonic seconds).
-        self._ended: Memo[tuple[bytes, int], float] = Memo()
-        self._hold_ms = config.lock_lease_ms // 4
 
     # -- the cycle -----------------------------------------------------------
 
-    def cycle(
-        self, name: bytes, shard: int, shards: int, ops: list[Op], more: More = _never
-    ) -> str:
-        """Serve `ops` on one shard: DONE (results set), BUSY (lock held), RETRY (lock lost).
-
-        `more()` tells how many operations (and dequeues) are queued for the
-        shard's next cycle: the lock is then kept for it (see `_Kept`).
-        """
+    def cycle(self, name: bytes, shard: int, shards: int, ops: list[Op]) -> str:
+        """Serve `ops` on one shard: DONE (results set), BUSY (lock held), RETRY (lock lost)."""
         now = time.time()
         now_ms = int(now * 1000)
-        where = (name, shard)
-        kept = self._kept.pop(where, None)
-        busy = time.monotonic() - self._ended.get(where, -LINGER) < LINGER
-        tagged = any(isinstance(o, PutOp) and o.tag for o in ops)
-        fanning = any(isinstance(o, PutOp) and o.fanout for o in ops)
-        children: list[str] = []
-        if kept is not None and not tagged and (kept.children is not None or not fanning):
-            # The lock is still ours from the last cycle, and so is the state.
-            nonce, meta, entries, taken_ms = kept.nonce, kept.meta, kept.entries, kept.taken_ms
-            children = kept.children or []
-        else:
-            locked = self._lock(name, shard, shards, ops, now_ms, tagged, fanning)
-            if isinstance(locked, str):
-                return locked
-            nonce, meta, entries, children = locked
-            taken_ms = now_ms
-        meta_key = self.meta_key(name, shard)
-        run = Apply(self, meta, entries, now)
-        for o in ops:
-            run.apply(o)
-        writes = run.prepare()
-        old_head = meta.head
-        meta.head = meta.low_water()
-        deleting = any(isinstance(o, DeleteOp) and run.results.get(id(o)) for o in ops)
-        # Kept only for a while, and never once another daemon asked for it.
-        coming, dequeues = more() if not deleting and now_ms - taken_ms < self._hold_ms else (0, 0)
-        held = False
-        try:
-            if deleting:
-                self._delete(meta_key, nonce, meta, old_head)
-            else:
-                bins = meta.bins(now_ms)
-                since = taken_ms if coming or busy else None
-                ahead = self._ahead(meta, run.entries, dequeues) if since else []
-                if since:  # the next cycle's fanout children, as fresh as a lock would read them
-                    ahead.append(Read(self.family_key(name), [op.read("kids")]))
-                held = self._commit(meta_key, nonce, bins, writes, run, since, ahead)
-        except ae.FilteredOut:
-            self.refused += 1
-            log.warning("queue %r shard %d: commit refused, lock was broken", name, shard)
-            self._held.pop(where, None)
-            return RETRY
-        if held:
-            self._held[where] = nonce
-            if not any(isinstance(o, PutOp) and o.error for o in ops):  # else a hole: read again
-                entries = self._keepable(meta, run.entries)
-                self._kept[where] = _Kept(nonce, meta, entries, taken_ms, run.children)
-        else:
-            self._held.pop(where, None)
-        if deleting:
-            self._hints.pop(where, None)
-        else:
-            self._hints[where] = (
-                meta.per,
-                meta.cur,
-                tuple(sorted(meta.ret)[:64]),
-                meta.inc,
-                meta.tail,
-            )
-            self._collect(meta, old_head)
-        for o in ops:
-            o.result = run.results.get(id(o))
-            o.shards = meta.shards
-            if isinstance(o, PutOp) and o.fanout:
-                o.children = children
-        self._ended[where] = time.monotonic()
-        return KEPT if where in self._kept else DONE
-
-    def release(self, name: bytes, shard: int) -> None:
-        """Free a lock kept by the shard's last cycle, if it still is."""
-        where = (name, shard)
-        kept = self._kept.pop(where, None)
-        if kept is None:
-            return
-        with contextlib.suppress(ae.FilteredOut):  # broken meanwhile: not ours to free
-            self._commit(self.meta_key(name, shard), kept.nonce, {})
-        self._held.pop(where, None)
-
-    def _lock(
-        self,
-        name: bytes,
-        shard: int,
-        shards: int,
-        ops: list[Op],
-        now_ms: int,
-        tagged: bool,
-        fanning: bool,
-    ) -> str | tuple[str, Meta, dict[int, list[Any]], list[str]]:
-        """Take the shard's lock and read its state: (nonce, state, entries read, fanout
-        children), or the cycle's outcome when there is nothing more to do."""
         nonce = f"{self.owner}/{secrets.token_hex(6)}"
         where = (name, shard)
         creating = any(isinstance(o, PutOp) for o in ops)
         dequeues = sum(1 for o in ops if o.dequeue)
         meta_key = self.meta_key(name, shard)
-        lock = self._lock_ops(nonce, now_ms, dequeues == len(ops), self._held.get(where), tagged)
+        lock = self._lock_ops(nonce, now_ms, dequeues == len(ops), self._held.get(where), ops)
         policy = {} if creating else {"exists": aerospike.POLICY_EXISTS_UPDATE}
         prefetch = self._predict(where, dequeues)
         entries: dict[int, list[Any]] = {}
         # The fanout children are read in the same call as the lock.
+        fanning = any(isinstance(o, PutOp) and o.fanout for o in ops)
         children: list[str] = []
         try:
             if prefetch or fanning:
@@ -278,51 +144,67 @@ class Store(Connection):
         meta = Meta.from_bins(bins, name, shard)
         if meta is None:
             if not creating:
-                self._commit(meta_key, nonce, {})
+                self._commit(meta_key, nonce, {"lo": ""})
                 self._held.pop(where, None)
                 self._finish_missing(ops)
                 return DONE
             meta = Meta.new(name, shard, shards, self.per)
         meta.fence = int(bins["fence"])
-        meta.with_tags = tagged
+        meta.with_tags = any(isinstance(o, PutOp) and o.tag for o in ops)
         if entries and self._hints[where][3] != meta.inc:
             entries.clear()  # prefetched from an incarnation that is gone
         if meta.created and shard:
             self._ensure_first_shard(meta)
-        return nonce, meta, entries, children
-
-    def _ahead(self, meta: Meta, entries: dict[int, list[Any]], coming: int) -> list[Read]:
-        """Reads of the entries the next `coming` dequeues will hand out, not yet known."""
-        wanted = meta.waiting_offsets(min(coming, self.config.max_batch))
-        by_record: dict[int, list[int]] = {}
-        for offset in wanted:
-            if offset not in entries:
-                by_record.setdefault(offset // meta.per, []).append(offset)
-        return [Read(self.buf_key(meta, i), [get_slots(o)]) for i, o in by_record.items()]
-
-    def _keepable(self, meta: Meta, entries: dict[int, list[Any]]) -> dict[int, list[Any]]:
-        """The entries a kept lock's next cycle may hand out without reading them:
-        the oldest still waiting, at most as many as one batch holds."""
-        waiting = sorted(o for o in entries if meta.is_waiting(o))[: self.config.max_batch]
-        return {o: entries[o] for o in waiting}
+        run = Apply(self, meta, entries, now)
+        for o in ops:
+            run.apply(o)
+        writes = run.prepare()
+        old_head = meta.head
+        meta.head = meta.low_water()
+        deleting = any(isinstance(o, DeleteOp) and run.results.get(id(o)) for o in ops)
+        try:
+            if deleting:
+                self._delete(meta_key, nonce, meta, old_head)
+            else:
+                self._commit(meta_key, nonce, {**meta.bins(now_ms), "lo": ""}, writes, run)
+        except ae.FilteredOut:
+            self.refused += 1
+            log.warning("queue %r shard %d: commit refused, lock was broken", name, shard)
+            self._held.pop(where, None)
+            return RETRY
+        self._held.pop(where, None)
+        if deleting:
+            self._hints.pop(where, None)
+        else:
+            self._hints[where] = (
+                meta.per,
+                meta.cur,
+                tuple(sorted(meta.ret)[:64]),
+                meta.inc,
+                meta.tail,
+            )
+            self._collect(meta, old_head)
+        for o in ops:
+            o.result = run.results.get(id(o))
+            o.shards = meta.shards
+            if isinstance(o, PutOp) and o.fanout:
+                o.children = children
+        return DONE
 
     def _lock_ops(
-        self, nonce: str, now_ms: int, dequeue_only: bool, previous: str | None, tagged: bool
+        self, nonce: str, now_ms: int, dequeue_only: bool, previous: str | None, ops: list[Op]
     ) -> list[dict[str, Any]]:
-        free = _lock_free(now_ms, previous or "")
-        got, wants = free, x.Not(free)
+        got = _lock_free(now_ms, previous or "")
         if dequeue_only:
-            got, wants = x.And(got, has_work()), x.And(wants, has_work())
+            got = x.And(got, has_work())
         keep = x.Unknown()
         no_fail = aerospike.EXP_WRITE_EVAL_NO_FAIL
         fence = x.Cond(x.BinExists("fence"), xa.Add(x.IntBin("fence"), 1), 1)
         lease = now_ms + self.config.lock_lease_ms
         bins = STATE_BINS + tuple(b for b in MAP_BINS if b != "tags")
-        if tagged:
+        if any(isinstance(o, PutOp) and o.tag for o in ops):
             bins += ("tags",)
         return [
-            # Asked for while held: its holder does not keep it past its next commit.
-            xo.expression_write(WANTED, x.Cond(wants, now_ms, keep).compile(), no_fail),
             # The fencing counter first: `got` still sees the lock as it was.
             xo.expression_write("fence", x.Cond(got, fence, keep).compile(), no_fail),
             xo.expression_write("lo", x.Cond(got, nonce, keep).compile(), no_fail),
@@ -359,16 +241,8 @@ class Store(Connection):
         bins: dict[str, Any],
         writes: list[Write] | None = None,
         run: Apply | None = None,
-        keep_since: int | None = None,
-        ahead: list[Read] | None = None,
-    ) -> bool:
+    ) -> None:
         """Write the state and free the lock, refused unless the lock is still ours.
-
-        With `keep_since` (when the lock was taken, Unix ms) the lock is kept
-        unless another daemon asked for it since then; True if it was kept.
-        `ahead` reads the entries the next cycle will hand out, in the same
-        call, into `run.entries`, and last the queue's fanout children, into
-        `run.children`.
 
         The cycle's new entries go in the same batch call. The server applies
         a batch's records independently, so each outcome is looked at:
@@ -381,28 +255,12 @@ class Store(Connection):
         """
         policy = {"expressions": x.Eq(x.StrBin("lo"), nonce).compile()}
         ops = [op.write(name, value) for name, value in bins.items()]
-        if keep_since is None:
-            ops.append(op.write("lo", ""))
-        else:
-            asked = x.And(x.BinExists(WANTED), x.GE(x.IntBin(WANTED), keep_since))
-            free = x.Cond(asked, "", nonce).compile()
-            no_fail = aerospike.EXP_WRITE_EVAL_NO_FAIL
-            ops += [xo.expression_write("lo", free, no_fail), op.read("lo")]
-        writes, ahead = writes or [], ahead or []
-        if run is None or not (writes or ahead):
-            found = self.call(self.client.operate, key, ops, policy=policy)[2]
-            return keep_since is not None and found.get("lo") == nonce
-        batch = [Write(key, ops, policy=policy), *writes, *ahead]
+        if not writes or run is None:
+            self.call(self.client.operate, key, ops, policy=policy)
+            return
+        batch = [Write(key, ops, policy=policy), *writes]
         done = self.call(self.client.batch_write, BatchRecords(batch)).batch_records
-        commit, entries = done[0], done[1 : 1 + len(writes)]
-        if ahead:
-            *reads, family = done[1 + len(writes) :]
-            for found in reads:
-                if found.result == 0 and found.record is not None:  # else read when needed
-                    run.entries.update(slots_of(found.record[2].get("s")))
-            if family.result in (0, NOT_FOUND):
-                kids = family.record[2].get("kids") if family.result == 0 else None
-                run.children = sorted(name_text(bytes(k)) for k in kids or {})
+        commit, entries = done[0], done[1:]
         fenced = any(r.result == FILTERED_OUT for r in entries)
         if fenced:
             self.fenced += 1
@@ -414,7 +272,6 @@ class Store(Connection):
         for write, record in zip(writes, entries, strict=True):
             if record.result != 0:
                 run.lost(write.key, record.result, record.in_doubt)
-        return keep_since is not None and (commit.record[2] or {}).get("lo") == nonce
 
     def _ensure_first_shard(self, meta: Meta) -> None:
         """A queue is listed by its shard 0: make it exist when another shard is created."""
