@@ -171,6 +171,9 @@ class StorageOptions:
     config_path: Path | None = None  # the file `extra` came from, for error messages
     owner: str = "local"  # this daemon's id, the owner of the leases it takes
     poll_interval_ms: int = 50  # shared backends: how often a watched queue is polled
+    max_disk_bytes: int = (
+        0  # disk backends: refuse puts once their files hold this much; 0: no bound
+    )
 
 
 Wake = Callable[[str], None]

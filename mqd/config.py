@@ -83,6 +83,7 @@ class Config:
     daemon_id: str = ""  # owner of this daemon's leases; "": one kept in data_dir
     reclaim_interval: float = 1.0  # seconds between reclaims on a shared store
     poll_interval_ms: int = 50  # shared store: a waiting get polls at most this often
+    max_disk_bytes: int = 0  # disk backends refuse sets beyond this; 0: no bound
     # [storage.<name>] tables, by backend name: each belongs to its backend
     backend_tables: dict[str, dict[str, Any]] = field(default_factory=dict)
     # [queues."<glob>"], in file order; later matches override earlier ones
@@ -113,6 +114,7 @@ class Config:
             data_dir=self.data_dir,
             sync_interval_ms=self.sync_interval_ms,
             poll_interval_ms=self.poll_interval_ms,
+            max_disk_bytes=self.max_disk_bytes,
             extra=self.backend_tables.get(self.backend, {}),
         )
 
@@ -236,6 +238,7 @@ _STORAGE_KEYS: dict[str, str] = {
     "daemon_id": "string",
     "reclaim_interval": "positive_number",
     "poll_interval_ms": "positive",
+    "max_disk_bytes": "count",
 }
 _METRICS_KEYS: dict[str, str] = {"listen": "string", "port": "port"}
 _QUEUE_KEYS: dict[str, str] = {

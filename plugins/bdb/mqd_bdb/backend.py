@@ -59,7 +59,7 @@ class _BdbBackend(Backend):
     def __init__(self, options: StorageOptions) -> None:
         super().__init__(options)
         self.config = BdbConfig.from_table(
-            options.extra, options.config_path, f"storage.{self.name}"
+            options.extra, options.config_path, f"storage.{self.name}", options.max_disk_bytes
         )
         self._sizes: dict[str, QueueSize] = {}
         # Fanout parent -> its existing children, as the published gauges tell.

@@ -11,7 +11,9 @@ from typing import Any
 from mqd.config import TableReader
 
 #: The keys whose value may be 0 (the others must be at least 1).
-_ZERO_OK = frozenset({"page_size", "reserve_mb", "max_disk_bytes"})
+_ZERO_OK = frozenset({"page_size", "reserve_mb"})
+#: Fields that come from [storage], not from the backend's own table.
+_FROM_STORAGE = frozenset({"max_disk_bytes"})
 
 
 @dataclass(frozen=True)
@@ -45,15 +47,18 @@ class BdbConfig:
     #: still have room for their log and for the cache's dirty pages; 0 (the
     #: default) sizes it so: cache_mb + 2 * log_file_mb.
     reserve_mb: int = 0
-    #: Sets are refused (`SERVER_ERROR out of memory storing object`) once the
-    #: data directory's files (the reserve aside) hold this many bytes; 0: no bound.
+    #: [storage] max_disk_bytes: sets are refused (`SERVER_ERROR out of memory
+    #: storing object`) once the data directory's files (the reserve aside) hold
+    #: this many bytes; 0: no bound.
     max_disk_bytes: int = 0
 
     @classmethod
-    def from_table(cls, table: Mapping[str, Any], path: Path | None, where: str) -> BdbConfig:
+    def from_table(
+        cls, table: Mapping[str, Any], path: Path | None, where: str, max_disk_bytes: int = 0
+    ) -> BdbConfig:
         """Validate a config table; ConfigError names file, key, value and what is allowed."""
         reader = TableReader(path, dict(table), f"{where}.")
-        fields = dataclasses.fields(cls)
+        fields = [f for f in dataclasses.fields(cls) if f.name not in _FROM_STORAGE]
         values: dict[str, Any] = {}
         for spec in fields:
             if spec.name not in reader.table:
@@ -63,7 +68,7 @@ class BdbConfig:
             else:
                 values[spec.name] = reader.integer(spec.name, 0 if spec.name in _ZERO_OK else 1)
         reader.leftovers([spec.name for spec in fields])
-        config = cls(**values)
+        config = cls(**values, max_disk_bytes=max_disk_bytes)
         size = config.page_size
         if size and (size & (size - 1) or not 512 <= size <= 65536):
             allowed = "must be 0 or a power of two from 512 to 65536"

@@ -18,8 +18,10 @@ SMALL = "cache_mb = 4\nlog_file_mb = 1\n"  # a 6 MiB reserve: cache + 2 log file
 BODY = b"x" * 4000
 
 
-def config(name: str, extra: str = "") -> str:
-    return f'[queues."*"]\nsync = "always"\n\n[storage.{name}]\n{SMALL}{extra}'
+def config(name: str, extra: str = "", storage: str = "") -> str:
+    return (
+        f'[storage]\n{storage}\n[queues."*"]\nsync = "always"\n\n[storage.{name}]\n{SMALL}{extra}'
+    )
 
 
 def data_bytes(data_dir: Path) -> int:
@@ -116,7 +118,9 @@ def test_start_on_a_full_disk_names_enospc_and_the_path(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_max_disk_bytes_refuses_sets_before_the_disk_fills(name: str, tmp_path: Path) -> None:
     limit = 3 << 20
-    daemon = Daemon(tmp_path, backend=name, config_text=config(name, f"max_disk_bytes = {limit}\n"))
+    daemon = Daemon(
+        tmp_path, backend=name, config_text=config(name, storage=f"max_disk_bytes = {limit}\n")
+    )
     with daemon:
         client = Client(daemon.address, timeout=10)
         stored, refusal = fill(client, "q", itertools.count())
