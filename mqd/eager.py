@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
+from functools import partial
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -20,19 +21,6 @@ def run_eagerly(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
     except StopIteration:
         return None
     return asyncio.get_running_loop().create_task(finish(coro, waiting_on))
-
-
-def start(coro: Coroutine[Any, Any, T]) -> tuple[bool, Any]:
-    """Run `coro` now until it first waits: (True, its result) or (False, a task finishing it).
-
-    No tuple of futures: a command that never waits (most, on the memory
-    backend) costs no allocation beyond the tuple.
-    """
-    try:
-        waiting_on = coro.send(None)
-    except StopIteration as stop:
-        return True, stop.value
-    return False, asyncio.get_running_loop().create_task(finish(coro, waiting_on))
 
 
 async def finish(step: Coroutine[Any, Any, T], waiting_on: Any) -> T:
@@ -60,3 +48,67 @@ async def finish(step: Coroutine[Any, Any, T], waiting_on: Any) -> T:
             waiting_on = step.send(None)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
+
+
+class Together:
+    """Coroutines run at once and driven to their ends without a task each.
+
+    A pipeline's sets and gets on a backend that commits in groups all wait
+    on futures the same storage round answers. A task per command (a Task, a
+    `finish` frame, and the connection woken once per command) costs more
+    than the command itself there; here each suspended coroutine is resumed
+    straight from its future's done callback, and whoever waits for the group
+    is woken once, when the last one returns.
+    """
+
+    __slots__ = ("_done", "_left", "_loop", "_waiting", "results", "waited")
+
+    def __init__(self) -> None:
+        self.results: list[Any] = []  # each coroutine's result (or exception), in order
+        self.waited = False  # whether any of them had to wait
+        self._left = 0  # coroutines still running
+        self._done: asyncio.Future[None] | None = None
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._loop = asyncio.get_running_loop()
+
+    def start(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run `coro` now up to its first wait; its result lands in `results`."""
+        index = len(self.results)
+        self.results.append(None)
+        self._left += 1
+        self._step(coro, index)
+
+    async def wait(self) -> list[Any]:
+        """Every result, in the order started; cancelling this cancels what still runs."""
+        if self._left:
+            self._done = self._loop.create_future()
+            try:
+                await self._done
+            except asyncio.CancelledError:
+                for future in list(self._waiting.values()):
+                    future.cancel()  # as Task.cancel: each coroutine sees CancelledError
+                raise
+        return self.results
+
+    def _step(self, coro: Coroutine[Any, Any, Any], index: int, _: object = None) -> None:
+        self._waiting.pop(index, None)
+        try:
+            # A future's __await__ returns its result (or raises its error,
+            # CancelledError included) once resumed: send(None) suits all.
+            waiting_on = coro.send(None)
+        except BaseException as exc:
+            self.results[index] = exc.value if isinstance(exc, StopIteration) else exc
+            self._left -= 1
+            done = self._done
+            if not self._left and done is not None and not done.done():
+                done.set_result(None)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return
+        self.waited = True
+        if waiting_on is None:  # a bare yield: one turn of the loop
+            self._loop.call_soon(self._step, coro, index)
+            return
+        waiting_on._asyncio_future_blocking = False
+        self._waiting[index] = waiting_on
+        waiting_on.add_done_callback(partial(self._step, coro, index))

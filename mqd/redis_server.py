@@ -51,6 +51,7 @@ class RedisConnection(Connection):
     """One Redis client connection."""
 
     refusal = b"-ERR max number of clients reached\r\n"
+    straight_to_broker = False
 
     def __init__(self, server: Server) -> None:
         super().__init__(server)
