@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mqd.testing.daemon import Daemon
-from mqd.testing.raw import Raw
+from mqd.testing.raw import Raw as Raw  # the tests import it from here
 
 # One daemon serves most tests; each test uses its own queue names (see `q`).
 SHARED_CONFIG = """
