@@ -622,20 +622,21 @@ class Broker:
                     error = error or got
                 elif got is None:
                     dry = True
+                elif _expired(got):
+                    assert got.receipt is not None
+                    if await self.backend.ack(got.receipt, sync=settings.sync):
+                        state.expired += 1
                 else:
-                    await self._hold(state, lease, got)
+                    self._hold(state, lease, got)
             if error is not None:
                 raise error  # what was reserved is held: asking again returns it
             if dry:
                 return
 
-    async def _hold(self, state: QueueState, lease: NamedLease, message: Message) -> None:
-        """Add a reserved message to `lease`, or drop it if it has expired."""
+    @staticmethod
+    def _hold(state: QueueState, lease: NamedLease, message: Message) -> None:
+        """Add a reserved message to `lease`."""
         assert message.receipt is not None
-        if _expired(message):
-            if await self.backend.ack(message.receipt, sync=state.settings.sync):
-                state.expired += 1
-            return
         opened = Opened(lease.queue, message, message.receipt, None, lease=lease)
         lease.held[message.offset] = opened
         lease.bytes += len(message.body)

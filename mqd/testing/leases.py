@@ -333,6 +333,16 @@ class LeaseConformance:
         assert len(self.take_all(conn, f"{queue}_dead")) == 1
         assert len(self.take_all(conn, queue)) == 1
 
+    def test_expired_messages_are_dropped_not_leased(self, conn: Raw) -> None:
+        queue = self.name()
+        conn.call(b"set %b 0 1 4\r\ngone\r\n" % queue.encode(), b"STORED\r\n")
+        conn.call(b"set %b 0 0 4\r\nkept\r\n" % queue.encode(), b"STORED\r\n")
+        time.sleep(1.1)  # exptime is in whole seconds
+        assert [body for _, body in self.lease(conn, queue, "e", 5)] == [b"kept"]
+        gauges = self.gauges(conn, queue)
+        assert (gauges["items"], gauges["open"], gauges["expired"]) == (1, 1, 1)
+        assert self.ack(conn, queue, "e") == b"DELETED\r\n"
+
     def test_restart_gives_leased_messages_back(self, tmp_path: Path, storage_toml: str) -> None:
         if not self.durable:
             pytest.skip(f"{self.backend} keeps nothing across a restart")
