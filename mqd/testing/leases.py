@@ -255,6 +255,23 @@ class LeaseConformance:
         finally:
             second.close()
 
+    def test_two_connections_reserving_one_lease_at_once(self, lease_daemon: Daemon) -> None:
+        queue = self.name()
+        a, b = Raw(lease_daemon.address), Raw(lease_daemon.address)
+        try:
+            self.fill(a, queue, 40)
+            line = b"gets %b/lease=both/n=30\r\n" % queue.encode()
+            a.send(line)
+            b.send(line)
+            got_a, got_b = read_values(a), read_values(b)
+            assert got_a == got_b and len(got_a) == 30
+            assert self.gauges(a, queue)["open"] == 30
+            assert self.ack(b, queue, "both") == b"DELETED\r\n"
+            assert len(self.take_all(a, queue)) == 10
+        finally:
+            a.close()
+            b.close()
+
     def test_names_are_per_queue_and_separate(self, conn: Raw) -> None:
         one, two = self.name(), self.name()
         self.fill(conn, one, 2)
