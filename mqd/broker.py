@@ -8,10 +8,10 @@ a store must agree on (leases, limits, dead-letter moves, reclaiming expired
 leases) is the backend's: the broker only asks. It never touches sockets; the
 server hands it a `Session` per connection.
 
-It is longer than most modules here (under 700 lines) because the options of
-a `get` (wait, open, close, abort, peek, at, several keys) and the records of
-open messages they act on are one piece of logic; the figures of `stats` live
-in mqd.stats.
+It is longer than most modules here (under 950 lines) because the options of
+a `get` (wait, open, close, abort, peek, at, several keys, named leases) and
+the records of open messages they act on are one piece of logic; the figures
+of `stats` live in mqd.stats.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from mqd import protocol, stats
 from mqd.backend import (
@@ -40,6 +40,7 @@ from mqd.backend import (
     Sync,
 )
 from mqd.config import Config, QueueSettings
+from mqd.eager import start as start_eagerly
 from mqd.errors import ClientError, NotSupported, ServerError, UnknownCommand
 from mqd.protocol import Key, Retrieve, Store
 from mqd.stats import Counters
@@ -49,8 +50,17 @@ log = logging.getLogger(__name__)
 IDLE_SWEEP = 1.0  # seconds between looks for idle queues to expire
 QUEUE_STATES = 65536  # queues whose state is kept when idle (names are client-chosen)
 THIRTY_DAYS = 60 * 60 * 24 * 30  # memcached: larger exptimes are absolute Unix times
+LEASE_BYTES = 64 << 20  # bodies a named lease reserves at most (beyond its first message)
+RESERVE_BATCH = 256  # reserve() calls of a named lease started together, at most
+# A named lease's messages are kept in the store for a quarter more than the
+# visibility timeout, and their store deadlines renewed only when a quarter of
+# it has passed since the last renewal: a lease touched often costs one round
+# of extend() calls per quarter timeout, not one per command, and the store
+# never returns a message before this daemon's own timer would.
+LEASE_SLACK = 1.25
 
 Hits = list[tuple[Key, Message]]
+T = TypeVar("T")
 
 
 class Session:
@@ -73,6 +83,27 @@ class Opened:
     receipt: Receipt  # kept apart: a backend may hand the same Message out again later
     session: Session | None
     timer: asyncio.TimerHandle | None = None
+    lease: NamedLease | None = None  # the named lease holding it, if any
+
+
+class NamedLease:
+    """Messages of one queue reserved under a name, held by no connection.
+
+    Anyone who knows the name acknowledges or gives them back. One timer
+    serves the whole lease: every command naming it restarts the queue's
+    visibility timeout. Commands on one lease run one at a time (`lock`).
+    """
+
+    __slots__ = ("bytes", "held", "lock", "name", "queue", "renewed", "timer")
+
+    def __init__(self, queue: str, name: str) -> None:
+        self.queue = queue
+        self.name = name
+        self.held: dict[int, Opened] = {}  # by offset, in the order reserved
+        self.bytes = 0  # bodies of `held`
+        self.lock = asyncio.Lock()
+        self.timer: asyncio.TimerHandle | None = None
+        self.renewed = time.monotonic()  # when the store's deadlines were last moved
 
 
 class QueueState:
@@ -82,6 +113,7 @@ class QueueState:
         "dequeued",
         "enqueued",
         "expired",
+        "leases",
         "limits",
         "opened",
         "settings",
@@ -96,7 +128,8 @@ class QueueState:
         self.dequeued = 0
         self.expired = 0
         self.waiters: deque[asyncio.Future[str | None]] = deque()
-        self.opened: dict[int, Opened] = {}  # by offset
+        self.opened: dict[int, Opened] = {}  # by offset, named leases' messages included
+        self.leases: dict[str, NamedLease] = {}  # by name
 
     def configure(self, settings: QueueSettings) -> None:
         self.settings = settings
@@ -106,7 +139,7 @@ class QueueState:
 
     def idle(self) -> bool:
         """Nothing here that forgetting would lose but counters."""
-        return not self.waiters and not self.opened
+        return not self.waiters and not self.opened and not self.leases
 
 
 def expiry(exptime: int, now: float) -> float | None:
@@ -172,9 +205,15 @@ class Broker:
             loop.cancel()
         if self._pending_flush is not None:
             self._pending_flush.cancel()
+        opened = []
         for state in list(self._queues.values()):
-            for opened in list(state.opened.values()):
-                await self._give_back(opened)
+            for lease in state.leases.values():
+                _cancel(lease)
+            opened += sorted(state.opened.values(), key=_offset)
+        # Together: a store that commits in groups returns them in a few commits.
+        for failed in await self._together([self._give_back(o) for o in opened]):
+            if isinstance(failed, Exception):
+                log.error("giving back an open message failed", exc_info=failed)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.backend.close()
@@ -252,6 +291,8 @@ class Broker:
             # `get <queue>`: what most consumers send, without the general machinery.
             message = await self.take(keys[0].queue)
             return [] if message is None else [(keys[0], message)]
+        if keys[0].lease is not None:  # the parser lets a lease's key stand alone
+            return await self._lease_retrieve(keys[0], session)
         self._check_keys(keys, session)
         self.counters.cmd_get += len(keys)
         loop = asyncio.get_running_loop()
@@ -410,15 +451,19 @@ class Broker:
 
     async def _close(self, session: Session, queue: str) -> None:
         opened = session.open.get(queue)
-        if opened is None:
-            return
+        if opened is not None:
+            await self._ack(opened)
+
+    async def _ack(self, opened: Opened) -> bool:
+        """Remove an open message of ours for good; False if its lease was lost."""
         self._forget(opened)
-        receipt = opened.receipt
-        state = self.state(queue)
+        state = self.state(opened.queue)
         # False: the lease was lost (timed out and returned, or the queue
         # deleted); the message is someone else's now and stays.
-        if await self.backend.ack(receipt, sync=state.settings.sync):
+        if await self.backend.ack(opened.receipt, sync=state.settings.sync):
             state.dequeued += 1
+            return True
+        return False
 
     def _forget(self, opened: Opened) -> None:
         """Drop the broker's record of an open message (not the message)."""
@@ -428,8 +473,13 @@ class Broker:
         if session is not None and session.open.get(opened.queue) is opened:
             del session.open[opened.queue]
         state = self._queues.get(opened.queue)
-        if state is not None and state.opened.get(opened.message.offset) is opened:
-            del state.opened[opened.message.offset]
+        offset = opened.message.offset
+        if state is not None and state.opened.get(offset) is opened:
+            del state.opened[offset]
+        lease = opened.lease
+        if lease is not None and lease.held.get(offset) is opened:
+            del lease.held[offset]
+            lease.bytes -= len(opened.message.body)
 
     def _route(self, queue: str, message: Message) -> str | None:
         """Where an open message that comes back goes: its dead-letter queue, or None."""
@@ -503,6 +553,195 @@ class Broker:
         for opened in list(session.open.values()):
             await self._give_back(opened)
 
+    # -- named leases ------------------------------------------------------
+
+    async def _lease_retrieve(self, key: Key, session: Session) -> Hits:
+        """`get <queue>/lease=<name>/abort`, or `gets <queue>/lease=<name>/n=<count>[/t=<ms>]`."""
+        assert key.lease is not None
+        self.counters.cmd_get += 1
+        if key.abort:
+            await self.lease_abort(key.queue, key.lease)
+            return []
+        wait = self._wait_of(key) if key.wait_ms else 0.0
+        messages = await self.lease_reserve(key.queue, key.lease, key.count, wait, session)
+        if messages:
+            self.counters.get_hits += 1
+        else:
+            self.counters.get_misses += 1
+        return [(key, message) for message in messages]
+
+    async def lease_reserve(
+        self, queue: str, name: str, count: int, wait: float, session: Session
+    ) -> list[Message]:
+        """The first `count` messages of lease `name`, reserving more from the head as needed.
+
+        What the lease already holds comes first, so asking again gives the
+        same messages. When it holds none and the queue has none, waits up to
+        `wait` seconds for one.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            state = self.state(queue)
+            if self._stamp:
+                state.used = time.monotonic()
+            lease = state.leases.get(name) or state.leases.setdefault(name, NamedLease(queue, name))
+            async with lease.lock:
+                if state.leases.get(name) is not lease:
+                    continue  # ended (given back, acknowledged) while this waited for it
+                try:
+                    await self._reserve_into(state, lease, count)
+                finally:
+                    if lease.held:
+                        await self._renew(state, lease)
+                    else:
+                        self._end(state, lease)
+                messages = [opened.message for opened in lease.held.values()][:count]
+            left = deadline - loop.time()
+            if messages or left <= 0 or self.stopping:
+                return messages
+            await self._wait([queue], left, session)
+
+    async def _reserve_into(self, state: QueueState, lease: NamedLease, count: int) -> None:
+        """Reserve head messages into `lease` until it holds `count` or LEASE_BYTES of bodies."""
+        queue = lease.queue
+        settings = state.settings
+        timeout = settings.visibility_timeout * LEASE_SLACK
+        while len(lease.held) < count and (not lease.held or lease.bytes < LEASE_BYTES):
+            # No more at once than can fit in LEASE_BYTES (or one), so it is
+            # passed by at most one message.
+            room = (LEASE_BYTES - lease.bytes) // max(settings.max_item_size, 1)
+            batch = max(1, min(count - len(lease.held), RESERVE_BATCH, room))
+            calls = [
+                self.backend.reserve(queue, lease=timeout, sync=settings.sync) for _ in range(batch)
+            ]
+            dry = False
+            error: Exception | None = None
+            for got in await self._together(calls):
+                if isinstance(got, Exception):
+                    error = error or got
+                elif got is None:
+                    dry = True
+                elif _expired(got):
+                    assert got.receipt is not None
+                    if await self.backend.ack(got.receipt, sync=settings.sync):
+                        state.expired += 1
+                else:
+                    self._hold(state, lease, got)
+            if error is not None:
+                raise error  # what was reserved is held: asking again returns it
+            if dry:
+                return
+
+    @staticmethod
+    def _hold(state: QueueState, lease: NamedLease, message: Message) -> None:
+        """Add a reserved message to `lease`."""
+        assert message.receipt is not None
+        opened = Opened(lease.queue, message, message.receipt, None, lease=lease)
+        lease.held[message.offset] = opened
+        lease.bytes += len(message.body)
+        state.opened[message.offset] = opened
+
+    async def lease_ack(self, queue: str, name: str, to: int | None) -> bool:
+        """`delete <queue>/lease=<name>[/to=<id>]`: remove its messages (up to id `to`) for good.
+
+        True when at least one was removed; False when the lease held none.
+        """
+        state = self.state(queue)
+        if self._stamp:
+            state.used = time.monotonic()
+        lease = state.leases.get(name)
+        if lease is None:
+            return False
+        async with lease.lock:
+            if state.leases.get(name) is not lease:
+                return False
+            done = [o for o in lease.held.values() if to is None or o.message.offset <= to]
+            results = await self._together([self._ack(o) for o in sorted(done, key=_offset)])
+            if lease.held:
+                await self._renew(state, lease)
+            else:
+                self._end(state, lease)
+        for result in results:
+            if isinstance(result, Exception):
+                raise result  # those not removed are still the lease's
+        return any(results)
+
+    async def lease_abort(self, queue: str, name: str) -> None:
+        """`get <queue>/lease=<name>/abort`: every message of the lease back to the queue."""
+        state = self.state(queue)
+        lease = state.leases.get(name)
+        if lease is not None:
+            await self._end_lease(state, lease)
+
+    async def _end_lease(self, state: QueueState, lease: NamedLease) -> None:
+        """Give back every message of `lease`, in id order, and forget it."""
+        async with lease.lock:
+            if state.leases.get(lease.name) is not lease:
+                return
+            self._end(state, lease)
+            held = sorted(lease.held.values(), key=_offset)
+            results = await self._together([self._give_back(o) for o in held])
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+
+    def _end(self, state: QueueState, lease: NamedLease) -> None:
+        """Forget the lease's record (its messages are the caller's to settle)."""
+        _cancel(lease)
+        if state.leases.get(lease.name) is lease:
+            del state.leases[lease.name]
+
+    async def _renew(self, state: QueueState, lease: NamedLease) -> None:
+        """The lease was named: its visibility timeout starts again."""
+        timeout = state.settings.visibility_timeout
+        if not timeout:
+            return
+        _cancel(lease)
+        loop = asyncio.get_running_loop()
+        lease.timer = loop.call_later(timeout, self._lease_timed_out, state, lease)
+        now = time.monotonic()
+        if now - lease.renewed < timeout * (LEASE_SLACK - 1):
+            return
+        lease.renewed = now
+        held = list(lease.held.values())
+        calls = [
+            self.backend.extend(o.receipt, lease=timeout * LEASE_SLACK, sync=state.settings.sync)
+            for o in held
+        ]
+        for opened, kept in zip(held, await self._together(calls), strict=True):
+            if kept is False:
+                self._forget(opened)  # its store lease was lost: no longer ours
+            elif isinstance(kept, Exception):
+                log.warning("renewing a lease of %r failed: %s", lease.queue, kept)
+
+    def _lease_timed_out(self, state: QueueState, lease: NamedLease) -> None:
+        lease.timer = None
+        self._spawn(self._end_lease(state, lease))
+
+    async def _together(self, calls: Sequence[Coroutine[Any, Any, T]]) -> list[T | Exception]:
+        """Run `calls` at once, each started in order: their results (or errors), in order.
+
+        Each is run now up to its first wait, so a store that commits in
+        groups commits them together, and in the order they were made.
+        """
+        started: list[tuple[bool, Any]] = []
+        for call in calls:
+            try:
+                started.append(start_eagerly(call))
+            except Exception as error:
+                started.append((True, error))
+        results: list[T | Exception] = []
+        for done, outcome in started:
+            if done:
+                results.append(outcome)
+                continue
+            try:
+                results.append(await outcome)
+            except Exception as error:
+                results.append(error)
+        return results
+
     # -- waiting -----------------------------------------------------------
 
     async def _wait(self, queues: list[str], timeout: float, session: Session) -> None:
@@ -564,10 +803,17 @@ class Broker:
 
     async def delete(self, queue: str) -> bool:
         state = self.state(queue)
-        for opened in list(state.opened.values()):
-            self._forget(opened)
+        self._drop_all(state)
         state.enqueued = state.dequeued = state.expired = 0
         return await self.backend.delete(queue, sync=state.settings.sync)
+
+    def _drop_all(self, state: QueueState) -> None:
+        """Forget every open message and named lease of a queue whose messages are gone."""
+        for opened in list(state.opened.values()):
+            self._forget(opened)
+        for lease in state.leases.values():
+            _cancel(lease)
+        state.leases.clear()
 
     def check_flush_all(self) -> None:
         if not self.config.allow_flush_all:
@@ -576,8 +822,7 @@ class Broker:
     async def flush_all(self) -> None:
         self.check_flush_all()
         for state in self._queues.values():
-            for opened in list(state.opened.values()):
-                self._forget(opened)
+            self._drop_all(state)
             state.enqueued = state.dequeued = state.expired = 0
         await self.backend.flush_all(sync=self.config.queue_settings("").sync)
 
@@ -669,6 +914,16 @@ class Broker:
     def _queue_counts(self, queue: str) -> tuple[int, int, int]:
         state = self._queues.get(queue)
         return (state.enqueued, state.dequeued, state.expired) if state else (0, 0, 0)
+
+
+def _offset(opened: Opened) -> int:
+    return opened.message.offset
+
+
+def _cancel(lease: NamedLease) -> None:
+    if lease.timer is not None:
+        lease.timer.cancel()
+        lease.timer = None
 
 
 def _expired(message: Message) -> bool:

@@ -435,7 +435,10 @@ class Connection(asyncio.Protocol):
     # -- one method per command type ----------------------------------------
 
     async def _delete(self, command: Delete) -> bytes | None:
-        found = await self.broker.delete(command.queue)
+        if command.lease is None:
+            found = await self.broker.delete(command.queue)
+        else:
+            found = await self.broker.lease_ack(command.queue, command.lease, command.to)
         if command.noreply:
             return None
         return REPLY["deleted"] if found else REPLY["not_found"]

@@ -17,6 +17,9 @@ A backend's package runs it against itself by subclassing, for example::
 `make_backend` is called again on the same directory to simulate a restart
 when `durable` is true. Tests drive the coroutines with asyncio.run, so no
 pytest plugin is needed.
+
+What the broker builds on top of a backend is checked through a real daemon
+elsewhere: named leases in mqd.testing.leases.
 """
 
 from __future__ import annotations

@@ -162,6 +162,35 @@ class ManyDaemonConformance:
 
         self.run(data_dir, body, visibility_timeout=30)
 
+    def test_named_lease_is_held_by_the_daemon_that_made_it(self, data_dir: Path) -> None:
+        async def body(brokers: list[Broker]) -> None:
+            a, b = brokers[0], brokers[1]
+            for text in (b"1", b"2", b"3"):
+                await a.store(store_command("q", text))
+            held = [m.offset for m in await a.lease_reserve("q", "job", 2, 0, Session())]
+            assert len(held) == 2
+            # The store keeps them open for every daemon: counted, and hidden.
+            size = await b.size("q")
+            assert size is not None and (size.items, size.open) == (3, 2)
+            hits = await b.retrieve(get_command("q", "q"), Session())
+            assert len(hits) == 1 and hits[0][1].offset not in held
+            # The lease is a's: another daemon does not know its name.
+            assert await b.lease_ack("q", "job", None) is False
+            # Named now and then through a, it outlives several visibility
+            # timeouts, though every daemon reclaims expired leases meanwhile.
+            for _ in range(5):
+                await asyncio.sleep(0.15)
+                assert await b.retrieve(get_command("q"), Session()) == []
+                again = await a.lease_reserve("q", "job", 2, 0, Session())
+                assert [m.offset for m in again] == held
+            size = await b.size("q")
+            assert size is not None and (size.items, size.open) == (2, 2)
+            assert await a.lease_ack("q", "job", None) is True
+            size = await b.size("q")
+            assert size is not None and (size.items, size.open) == (0, 0)
+
+        self.run(data_dir, body, visibility_timeout=0.3)
+
     def test_stale_receipt_after_delete_and_recreate(self, data_dir: Path) -> None:
         async def body(brokers: list[Broker]) -> None:
             a, b = brokers[0], brokers[1]

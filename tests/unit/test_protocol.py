@@ -77,6 +77,36 @@ def test_options() -> None:
     assert parse_key(b"jobs+audit/open") == Key(b"jobs+audit/open", "jobs+audit", open=True)
 
 
+def test_lease_options() -> None:
+    raw = b"jobs/lease=spark-1.a_B/n=100000/t=50"
+    assert parse_key(raw) == Key(raw, "jobs", wait_ms=50, lease="spark-1.a_B", count=100000)
+    assert parse_key(b"jobs/n=3/lease=x") == Key(b"jobs/n=3/lease=x", "jobs", lease="x", count=3)
+    assert parse_key(b"jobs/lease=x/abort") == Key(
+        b"jobs/lease=x/abort", "jobs", abort=True, lease="x"
+    )
+    assert parse_key(b"jobs/lease=" + b"x" * 64 + b"/n=1") is not None
+    for bad in (
+        b"jobs/lease=x",
+        b"jobs/n=1",
+        b"jobs/lease=x/n=0",
+        b"jobs/lease=x/n=100001",
+        b"jobs/lease=x/n=",
+        b"jobs/lease=/n=1",
+        b"jobs/lease=" + b"x" * 65 + b"/n=1",
+        b"jobs/lease=a+b/n=1",
+        b"jobs/lease=a\xffb/n=1",
+        b"jobs/lease=x/n=1/open",
+        b"jobs/lease=x/n=1/close",
+        b"jobs/lease=x/n=1/peek",
+        b"jobs/lease=x/n=1/at=1",
+        b"jobs/lease=x/n=1/abort",
+        b"jobs/lease=x/abort/t=1",
+        b"jobs/lease=x/lease=y/n=1",
+        b"jobs/abort/n=1",
+    ):
+        assert parse_key(bad) is None, bad
+
+
 @pytest.mark.parametrize(
     ("line", "expected"),
     [
@@ -93,6 +123,20 @@ def test_options() -> None:
         (b"delete q 0 noreply\r\n", Delete("q", True)),
         (b"delete q 5\r\n", BAD),
         (b"delete q/open\r\n", BAD),
+        (b"delete q/lease=a\r\n", Delete("q", False, "a")),
+        (b"delete q/to=9/lease=a noreply\r\n", Delete("q", True, "a", 9)),
+        (b"delete q/lease=a/to=0 0\r\n", Delete("q", False, "a", 0)),
+        (b"delete q/to=9\r\n", BAD),
+        (b"delete q/lease=a/to=x\r\n", BAD),
+        (b"delete q/lease=a/to=1/to=2\r\n", BAD),
+        (b"delete q/lease=a/lease=b\r\n", BAD),
+        (b"delete q/lease=a/open\r\n", BAD),
+        (
+            b"delete q/lease=a/bogus noreply\r\n",
+            Failed(ClientError("bad command line format"), True),
+        ),
+        (b"gets q/lease=a/n=1 q\r\n", BAD),
+        (b"get q q/lease=a/abort\r\n", BAD),
         (b"flush_all\r\n", FlushAll(0, False)),
         (b"flush_all 10 noreply\r\n", FlushAll(10, True)),
         (b"stats queues\r\n", Stats((b"queues",))),
@@ -184,7 +228,18 @@ names = st.binary(min_size=1, max_size=12).filter(
     lambda b: all(c > 0x20 and c != 0x7F and c not in b"/+" for c in b)
 )
 options = st.sampled_from(
-    [b"", b"/open", b"/close", b"/close/open", b"/t=10", b"/peek", b"/at=3", b"/abort"]
+    [
+        b"",
+        b"/open",
+        b"/close",
+        b"/close/open",
+        b"/t=10",
+        b"/peek",
+        b"/at=3",
+        b"/abort",
+        b"/lease=a/n=5",
+        b"/lease=a/abort",
+    ]
 )
 bodies = st.binary(max_size=40)
 
@@ -211,7 +266,15 @@ def commands(draw: st.DrawFn) -> bytes:
         return b"get " + b" ".join(n + o for n, o in keys) + draw(st.sampled_from([b"\r\n", b"\n"]))
     return draw(
         st.sampled_from(
-            [b"delete q\r\n", b"stats\r\n", b"bogus\r\n", b"incr a 1\r\n", b"version\n", b"\r\n"]
+            [
+                b"delete q\r\n",
+                b"delete q/lease=a/to=7 noreply\r\n",
+                b"stats\r\n",
+                b"bogus\r\n",
+                b"incr a 1\r\n",
+                b"version\n",
+                b"\r\n",
+            ]
         )
     )
 
