@@ -40,7 +40,7 @@ from mqd.backend import (
     Sync,
 )
 from mqd.config import Config, QueueSettings
-from mqd.eager import start as start_eagerly
+from mqd.eager import Together
 from mqd.errors import ClientError, NotSupported, ServerError, UnknownCommand
 from mqd.protocol import Key, Retrieve, Store
 from mqd.stats import Counters
@@ -725,21 +725,13 @@ class Broker:
         Each is run now up to its first wait, so a store that commits in
         groups commits them together, and in the order they were made.
         """
-        started: list[tuple[bool, Any]] = []
+        group = Together()
         for call in calls:
-            try:
-                started.append(start_eagerly(call))
-            except Exception as error:
-                started.append((True, error))
-        results: list[T | Exception] = []
-        for done, outcome in started:
-            if done:
-                results.append(outcome)
-                continue
-            try:
-                results.append(await outcome)
-            except Exception as error:
-                results.append(error)
+            group.start(call)
+        results = await group.wait()
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result  # cancelled
         return results
 
     # -- waiting -----------------------------------------------------------
