@@ -212,7 +212,7 @@ class Connection(asyncio.Protocol):
     async def drain(self) -> None:
         """Run every pending command in order, gathering replies; then send them.
 
-        Consecutive sets and plain gets are started together (see
+        Consecutive sets, plain gets and bare `/close`s are started together (see
         `_run_group`); every other command waits for those before it.
         """
         try:
@@ -351,7 +351,10 @@ class Connection(asyncio.Protocol):
                 if isinstance(command, Store):
                     group.start(broker.store(command))
                 elif isinstance(command, Retrieve):
-                    group.start(broker.take(command.keys[0].queue))
+                    if command.keys[0].plain:
+                        group.start(broker.take(command.keys[0].queue))
+                    else:
+                        group.start(broker.retrieve(command, self.session))
         if not group.waited:
             self.server.overlap = False
         results = await group.wait()
@@ -364,6 +367,8 @@ class Connection(asyncio.Protocol):
                 reply = result
             elif isinstance(command, Store):
                 reply = _store_reply(command, result)
+            elif type(result) is list:
+                reply = protocol.values_reply(result, command.with_ids)  # type: ignore[union-attr]
             else:
                 reply = _taken_reply(command, result)  # type: ignore[arg-type]
             if reply:
@@ -371,11 +376,18 @@ class Connection(asyncio.Protocol):
 
     @staticmethod
     def groups(command: Any) -> bool:
-        """Whether `command` may start before the one ahead of it completes (one storage call)."""
+        """Whether `command` may start before the one ahead of it completes (one storage call).
+
+        Sets, plain gets and bare `/close` acknowledgements: each is one
+        storage write that no later command of the pipeline depends on.
+        """
         kind = type(command)
-        return kind is Store or (
-            kind is Retrieve and len(command.keys) == 1 and command.keys[0].plain
-        )
+        if kind is Store:
+            return True
+        if kind is not Retrieve or len(command.keys) != 1:
+            return False
+        key = command.keys[0]
+        return key.plain or _closes_only(key)
 
     def _emit(self, reply: bytes) -> None:
         self.out.append(reply)
@@ -485,6 +497,16 @@ class Connection(asyncio.Protocol):
             self.out.append(protocol.error_line(command.error))
         if command.close:
             self.close()
+
+
+def _closes_only(key: protocol.Key) -> bool:
+    """`get <queue>/close`: an acknowledgement and nothing else."""
+    return (
+        key.close
+        and not (key.open or key.abort or key.peek or key.lease)
+        and key.at is None
+        and key.wait_ms is None
+    )
 
 
 def _value_reply(key: protocol.Key, message: Message | None) -> bytes:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mqd.backend import Capability, Message, Put, StorageOptions, Sync
+from mqd.backend import Capability, Message, Put, Receipt, StorageOptions, Sync
 from mqd.backends.memory import MemoryBackend
 from mqd.config import Config
 from mqd.connection import Connection
@@ -103,6 +103,11 @@ class GroupCommit(MemoryBackend):
         await self._flush_later(f"take {queue}")
         return message
 
+    async def ack(self, receipt: Receipt, *, sync: Sync) -> bool:
+        acked = await super().ack(receipt, sync=sync)
+        await self._flush_later(f"ack {receipt.queue}")
+        return acked
+
 
 def test_pipelined_sets_and_gets_share_one_flush_and_reply_in_order() -> None:
     backend = GroupCommit(StorageOptions())
@@ -121,6 +126,25 @@ def test_pipelined_sets_and_gets_share_one_flush_and_reply_in_order() -> None:
         "take p1",
         "take p0",
     ]
+    assert backend.flushes == 2
+
+
+def test_a_pipelined_close_shares_the_flush_of_the_sets_and_gets_around_it() -> None:
+    backend = GroupCommit(StorageOptions())
+    reply = talk(
+        [
+            b"set c 0 0 1\r\na\r\nset c 0 0 1\r\nb\r\nget c/open\r\n",
+            b"set c 0 0 1\r\nc\r\nget c/close\r\nget c\r\nget c/close\r\nget c\r\n",
+        ],
+        backend=backend,
+    )
+    assert reply == (
+        b"STORED\r\nSTORED\r\nVALUE c/open 0 1\r\na\r\nEND\r\n"
+        b"STORED\r\nEND\r\nVALUE c 0 1\r\nb\r\nEND\r\nEND\r\nVALUE c 0 1\r\nc\r\nEND\r\n"
+    )
+    # The second read's set, acknowledgement and gets reached the backend in
+    # order and shared one flush; the second /close had nothing open.
+    assert backend.calls[2:] == ["put c c", "ack c", "take c", "take c"]
     assert backend.flushes == 2
 
 
