@@ -9,9 +9,10 @@ Importing this package does not import PySpark; register() does.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -31,6 +32,39 @@ def register(spark: SparkSession) -> None:
 
     spark.dataSource.register(MqdDataSource)
     drain.install(spark)
+    _append_by_default()
+
+
+def _append_by_default() -> None:
+    """Makes `df.write.format("mqd").save()` append, as a write to a queue only can.
+
+    Spark refuses its default save mode (ErrorIfExists) for any Python data source
+    that is not a catalog table, and no option of the data source API changes that
+    default; so DataFrameWriter.save is wrapped, once per process: for format
+    "mqd" with the mode left at that default, it asks for append. Other formats
+    and explicit modes ("overwrite", "ignore") go through untouched.
+    """
+    from pyspark.sql.readwriter import DataFrameWriter
+
+    save = DataFrameWriter.save
+    if getattr(save, "_mqd_appends", False):
+        return
+
+    @functools.wraps(save)
+    def appending_save(
+        self: DataFrameWriter, path: str | None = None, format: str | None = None, **kw: Any
+    ) -> None:
+        source = format or self._jwrite.source()
+        if (
+            kw.get("mode") is None
+            and str(source).lower() == "mqd"
+            and self._jwrite.curmode().toString() == "ErrorIfExists"
+        ):
+            kw["mode"] = "append"
+        save(self, path, format, **kw)
+
+    appending_save._mqd_appends = True  # type: ignore[attr-defined]
+    DataFrameWriter.save = appending_save  # type: ignore[method-assign,assignment]
 
 
 def wait_for_commits(spark: SparkSession, timeout_s: float = 60.0) -> None:

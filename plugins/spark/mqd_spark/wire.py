@@ -16,8 +16,9 @@ log = logging.getLogger(__name__)
 
 Address = tuple[str, int]
 
-# A `get` line may be up to 64 KiB; stay well below it.
+# A `get` line may be up to 64 KiB and name up to 8192 keys; stay below both.
 MAX_GET_LINE = 60_000
+MAX_GET_KEYS = 8_000
 # Sets sent before their replies are read: the replies (8 bytes each) always
 # fit in the socket buffers, so neither side can block the other.
 STORE_BATCH = 2_000
@@ -137,7 +138,7 @@ class Connection:
         Nothing is removed: reading twice gives the same messages.
         """
         name = queue.encode()
-        per_line = max(1, MAX_GET_LINE // (len(name) + 16))
+        per_line = max(1, min(MAX_GET_KEYS, MAX_GET_LINE // (len(name) + 16)))
         for start in range(first, last + 1, per_line):
             stop = min(last + 1, start + per_line)
             keys = b" ".join(b"%b/at=%d" % (name, i) for i in range(start, stop))
@@ -148,7 +149,7 @@ class Connection:
     def take(self, queue: str, count: int) -> list[tuple[int, int, bytes]]:
         """Removes up to `count` messages from the head: one `gets` line repeats the key."""
         key = queue.encode()
-        per_line = max(1, MAX_GET_LINE // (len(key) + 1))
+        per_line = max(1, min(MAX_GET_KEYS, MAX_GET_LINE // (len(key) + 1)))
         out: list[tuple[int, int, bytes]] = []
         while count > 0:
             n = min(count, per_line)

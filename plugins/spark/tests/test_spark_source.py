@@ -55,7 +55,8 @@ def test_write_keeps_order_within_each_partition(spark: SparkSession, mqd: Daemo
     df = spark.range(0, 400, 1, 4).select(
         concat_ws(":", spark_partition_id(), col("id")).alias("body")
     )
-    df.write.format("mqd").option("servers", servers(mqd)).option("queue", q).mode("append").save()
+    # The call exactly as users write it: no .mode("append").
+    df.write.format("mqd").option("servers", servers(mqd)).option("queue", q).save()
     got = [b.decode().split(":") for b in take_all(mqd, q)]
     assert len(got) == 400
     assert sorted(int(n) for _, n in got) == list(range(400))
