@@ -26,15 +26,10 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 from pyspark.sql.types import BinaryType, IntegralType, StringType, StructType
 
 from mqd_spark import options as opts
-from mqd_spark.wire import Address, Connection, Message, address_text, parse_servers
+from mqd_spark import rows
+from mqd_spark.wire import Address, Connection, address_text, parse_servers
 
 SCHEMA = "queue string, id long, flags long, body binary"
-ARROW_SCHEMA = pa.schema(
-    [("queue", pa.string()), ("id", pa.int64()), ("flags", pa.int64()), ("body", pa.binary())]
-)
-# pymemcache's serializers mark a str body with this flag (FLAG_TEXT) and give
-# str back for it; a string `body` column is written with it unless flags say otherwise.
-FLAG_TEXT = 16
 
 
 class MqdPartition(InputPartition):
@@ -69,19 +64,7 @@ def split(
 def read_partition(partition: MqdPartition, timeout: float) -> Iterator[pa.RecordBatch]:
     with closing(Connection(partition.server, timeout)) as conn:
         for chunk in conn.read_ids(partition.queue, partition.first, partition.last):
-            yield _batch(chunk)
-
-
-def _batch(messages: list[Message]) -> pa.RecordBatch:
-    return pa.RecordBatch.from_arrays(
-        [
-            pa.array([m.queue for m in messages], pa.string()),
-            pa.array([m.id for m in messages], pa.int64()),
-            pa.array([m.flags for m in messages], pa.int64()),
-            pa.array([m.body for m in messages], pa.binary()),
-        ],
-        schema=ARROW_SCHEMA,
-    )
+            yield rows.record_batch(partition.queue, chunk)
 
 
 class MqdDataSource(DataSource):
@@ -245,8 +228,15 @@ class MqdWriter(DataSourceArrowWriter):
 
     def __init__(self, options: opts.Options, schema: StructType) -> None:
         self.options = options
-        self.text = isinstance(
+        text = isinstance(
             next(f.dataType for f in schema.fields if f.name.lower() == "body"), StringType
+        )
+        flags = options.flags
+        self.spec = rows.CommandSpec(
+            verb=options.command,
+            queue=options.queue,
+            flags=(rows.FLAG_TEXT if text else 0) if flags is None else flags,
+            exptime=options.exptime,
         )
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> Written:
@@ -256,30 +246,10 @@ class MqdWriter(DataSourceArrowWriter):
         index = context.partitionId() if context else 0
         server = self.options.servers[index % len(self.options.servers)]
         with closing(Connection(server, self.options.timeout)) as conn:
-            result = conn.store(self._rows(iterator), self.options.command)
+            result = conn.store_blocks(
+                block for batch in iterator for block in rows.commands(batch, self.spec)
+            )
         return Written(result.stored, result.not_stored)
-
-    def _rows(self, batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[str, bytes, int, int]]:
-        default_flags = self.options.flags
-        if default_flags is None:
-            default_flags = FLAG_TEXT if self.text else 0
-        for batch in batches:
-            columns = {name.lower(): batch.column(i) for i, name in enumerate(batch.schema.names)}
-            n = batch.num_rows
-            bodies = columns["body"].to_pylist()
-            queues = columns["queue"].to_pylist() if "queue" in columns else [None] * n
-            flags = columns["flags"].to_pylist() if "flags" in columns else [None] * n
-            exptimes = columns["exptime"].to_pylist() if "exptime" in columns else [None] * n
-            for body, queue, flag, exptime in zip(bodies, queues, flags, exptimes, strict=True):
-                queue = queue or self.options.queue
-                if body is None or queue is None:
-                    raise ValueError("mqd write: a row has no body or no queue")
-                yield (
-                    queue,
-                    body.encode() if isinstance(body, str) else body,
-                    default_flags if flag is None else flag,
-                    self.options.exptime if exptime is None else exptime,
-                )
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         """Nothing to do: rows are in their queues as soon as each task stored them."""

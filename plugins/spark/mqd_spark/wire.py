@@ -8,9 +8,10 @@ together; the data source needs both, at bulk rates, over one socket per task.
 from __future__ import annotations
 
 import logging
+import re
 import socket
-from collections.abc import Iterable, Iterator
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -19,9 +20,13 @@ Address = tuple[str, int]
 # A `get` line may be up to 64 KiB and name up to 8192 keys; stay below both.
 MAX_GET_LINE = 60_000
 MAX_GET_KEYS = 8_000
-# Sets sent before their replies are read: the replies (8 bytes each) always
-# fit in the socket buffers, so neither side can block the other.
-STORE_BATCH = 2_000
+# Storage commands per pipelined block: two blocks' replies (8 bytes each)
+# stay far below what the daemon holds for a client that is still sending.
+STORE_BATCH = 5_000
+RECV_SIZE = 1 << 18
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class WireError(Exception):
@@ -55,8 +60,34 @@ def address_text(address: Address) -> str:
     return f"{address[0]}:{address[1]}"
 
 
+class Columns(NamedTuple):
+    """Messages of one queue as columns, the shape Arrow batches are built from."""
+
+    ids: list[int]
+    flags: list[int]
+    bodies: list[bytes]
+
+    def extend(self, other: Columns) -> None:
+        self.ids.extend(other.ids)
+        self.flags.extend(other.flags)
+        self.bodies.extend(other.bodies)
+
+
+# One VALUE line of a `gets` reply: flags, size, id (the key is ours, not parsed).
+_VALUE = re.compile(rb"VALUE [^ \r\n]+ ([0-9]+) ([0-9]+) ([0-9]+)\r\n")
+_STORED = b"STORED\r\n"
+_NOT_STORED = b"NOT_STORED\r\n"
+
+
 class Connection:
-    """One TCP connection to one mqd daemon."""
+    """One TCP connection to one mqd daemon.
+
+    Bulk commands are pipelined one request ahead: the next request is sent
+    before the previous one's reply is read, so the daemon never waits for
+    this client. A request's reply is at most a few hundred KiB, which the
+    daemon holds while this side sends its next request (it stops reading
+    only past 256 KiB of unread replies, after the socket buffers fill).
+    """
 
     def __init__(self, address: Address, timeout: float = 30.0) -> None:
         self.address = address
@@ -65,96 +96,141 @@ class Connection:
         except OSError as error:
             raise WireError(f"cannot reach mqd at {address_text(address)}: {error}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.buf = bytearray()
+        # Replies arrive here; `pos` is where the unread part starts. Kept as
+        # bytes so that a message's body is one slice, not a copy of a copy.
+        self.data = b""
         self.pos = 0
 
     def close(self) -> None:
         self.sock.close()
 
-    # -- reading replies ------------------------------------------------------
+    def _error(self, what: object) -> WireError:
+        return WireError(f"mqd at {address_text(self.address)}: {what}")
+
+    # -- the transport -------------------------------------------------------
+
+    def _send(self, data: bytes | memoryview) -> None:
+        try:
+            self.sock.sendall(data)
+        except OSError as error:
+            raise self._error(error) from None
 
     def _fill(self) -> None:
-        if self.pos:
-            del self.buf[: self.pos]
-            self.pos = 0
         try:
-            chunk = self.sock.recv(1 << 20)
+            chunk = self.sock.recv(RECV_SIZE)
         except OSError as error:
-            raise WireError(f"mqd at {address_text(self.address)}: {error}") from None
+            raise self._error(error) from None
         if not chunk:
             raise WireError(f"mqd at {address_text(self.address)} closed the connection")
-        self.buf += chunk
+        self.data = self.data[self.pos :] + chunk if self.pos < len(self.data) else chunk
+        self.pos = 0
 
     def _line(self) -> bytes:
+        while (end := self.data.find(b"\r\n", self.pos)) < 0:
+            self._fill()
+        line = self.data[self.pos : end]
+        self.pos = end + 2
+        return line
+
+    def _pipeline(
+        self, requests: Iterable[tuple[bytes | memoryview, T]], read: Callable[[T], R]
+    ) -> Iterator[R]:
+        """Sends each request, reading each reply (by `read(tag)`) once the next one is sent."""
+        previous: list[T] = []
+        for request, tag in requests:
+            self._send(request)
+            if previous:
+                yield read(previous.pop())
+            previous.append(tag)
+        if previous:
+            yield read(previous.pop())
+
+    # -- retrieval replies ----------------------------------------------------
+
+    def _columns(self, out: Columns) -> None:
+        """Appends the id, flags and body of each VALUE of one `gets` reply, up to END."""
         while True:
-            end = self.buf.find(b"\r\n", self.pos)
-            if end >= 0:
-                line = bytes(self.buf[self.pos : end])
+            data, pos = self.data, self.pos
+            end = data.find(b"\r\n", pos)
+            if end < 0:
+                self._fill()
+                continue
+            match = _VALUE.match(data, pos, end + 2)
+            if match is None:
                 self.pos = end + 2
-                return line
-            self._fill()
+                if end == pos + 3 and data.startswith(b"END", pos):
+                    return
+                raise self._error(data[pos:end].decode("utf-8", "replace"))
+            start = end + 2
+            stop = start + int(match[2])
+            if len(data) < stop + 2:
+                self._fill()  # the body is not all here yet: parse the line again after
+                continue
+            out.flags.append(int(match[1]))
+            out.ids.append(int(match[3]))
+            out.bodies.append(data[start:stop])
+            self.pos = stop + 2
 
-    def _exact(self, size: int) -> bytes:
-        while len(self.buf) - self.pos < size + 2:
-            self._fill()
-        data = bytes(self.buf[self.pos : self.pos + size])
-        self.pos += size + 2
-        return data
+    def _reply(self, _: object = None) -> Columns:
+        """One `gets` reply as columns."""
+        out = Columns([], [], [])
+        self._columns(out)
+        return out
 
-    def _values(self) -> list[tuple[int, int, bytes]]:
-        """(id, flags, body) of each VALUE of a `gets` reply, up to END."""
-        out: list[tuple[int, int, bytes]] = []
-        while True:
-            line = self._line()
-            if line == b"END":
-                return out
-            parts = line.split()
-            if parts[0] != b"VALUE" or len(parts) != 5:
-                raise WireError(f"mqd at {address_text(self.address)}: {line.decode()}")
-            out.append((int(parts[4]), int(parts[2]), self._exact(int(parts[3]))))
-
-    def _call(self, line: bytes) -> list[tuple[int, int, bytes]]:
-        try:
-            self.sock.sendall(line)
-        except OSError as error:
-            raise WireError(f"mqd at {address_text(self.address)}: {error}") from None
-        return self._values()
+    def _call(self, line: bytes) -> Columns:
+        self._send(line)
+        return self._reply()
 
     # -- commands -------------------------------------------------------------
 
     def peek(self, queue: str) -> Message | None:
         """The queue's first waiting message, left in place; None when there is none."""
-        values = self._call(b"gets %b/peek\r\n" % queue.encode())
-        return Message(queue, *values[0]) if values else None
+        got = self._call(b"gets %b/peek\r\n" % queue.encode())
+        return Message(queue, got.ids[0], got.flags[0], got.bodies[0]) if got.ids else None
 
     def head(self, queue: str) -> int | None:
         """The id of the queue's first waiting message, None when there is none."""
         message = self.peek(queue)
         return message.id if message else None
 
-    def read_ids(self, queue: str, first: int, last: int) -> Iterator[list[Message]]:
+    def read_ids(self, queue: str, first: int, last: int, rows: int = 8192) -> Iterator[Columns]:
         """The messages with ids first..last still in the queue, in id order, in chunks.
 
         Nothing is removed: reading twice gives the same messages.
         """
         name = queue.encode()
         per_line = max(1, min(MAX_GET_KEYS, MAX_GET_LINE // (len(name) + 16)))
-        for start in range(first, last + 1, per_line):
-            stop = min(last + 1, start + per_line)
-            keys = b" ".join(b"%b/at=%d" % (name, i) for i in range(start, stop))
-            values = self._call(b"gets " + keys + b"\r\n")
-            if values:
-                yield [Message(queue, id_, flags, body) for id_, flags, body in values]
+        lines = (
+            (
+                b"gets "
+                + b" ".join(
+                    b"%b/at=%d" % (name, i) for i in range(start, min(last + 1, start + per_line))
+                )
+                + b"\r\n",
+                None,
+            )
+            for start in range(first, last + 1, per_line)
+        )
+        out = Columns([], [], [])
+        for got in self._pipeline(lines, self._reply):
+            out.extend(got)
+            if len(out.ids) >= rows:  # chunks of about `rows` messages
+                yield out
+                out = Columns([], [], [])
+        if out.ids:
+            yield out
 
-    def take(self, queue: str, count: int) -> list[tuple[int, int, bytes]]:
-        """Removes up to `count` messages from the head: one `gets` line repeats the key."""
+    def take(self, queue: str, count: int) -> Columns:
+        """Removes up to `count` messages from the head: each `gets` line repeats the key."""
         key = queue.encode()
         per_line = max(1, min(MAX_GET_KEYS, MAX_GET_LINE // (len(key) + 1)))
-        out: list[tuple[int, int, bytes]] = []
-        while count > 0:
-            n = min(count, per_line)
-            out += self._call(b"gets " + b" ".join([key] * n) + b"\r\n")
-            count -= n
+        lines = (
+            (b"gets " + b" ".join([key] * min(per_line, count - done)) + b"\r\n", None)
+            for done in range(0, count, per_line)
+        )
+        out = Columns([], [], [])
+        for got in self._pipeline(lines, self._reply):
+            out.extend(got)
         return out
 
     def remove_through(self, queue: str, last: int) -> int:
@@ -168,53 +244,70 @@ class Connection:
         removed = 0
         while (head := self.head(queue)) is not None and head <= last:
             taken = self.take(queue, last - head + 1)
-            extra = [(flags, body) for id_, flags, body in taken if id_ > last]
-            removed += len(taken) - len(extra)
+            extra = [(f, b) for i, f, b in zip(*taken, strict=True) if i > last]
+            removed += len(taken.ids) - len(extra)
             if extra:
                 log.warning("%d message(s) past id %d of %s re-queued", len(extra), last, queue)
                 self.store((queue, body, flags, 0) for flags, body in extra)
                 break
-            if not taken:
+            if not taken.ids:
                 break
         return removed
 
-    def store(self, rows: Iterable[tuple[str, bytes, int, int]], command: str = "set") -> Stored:
-        """Enqueues (queue, body, flags, exptime) rows in order, pipelined.
+    # -- storage ----------------------------------------------------------------
+
+    def store_blocks(self, blocks: Iterable[tuple[bytes | memoryview, int]]) -> Stored:
+        """Sends blocks of `count` storage commands each, pipelined; their replies counted.
 
         NOT_STORED replies are counted (a full queue, or a duplicate for `add`);
         any error reply raises.
         """
-        verb = command.encode()
         stored = not_stored = 0
-        batch: list[bytes] = []
-        for queue, body, flags, exptime in rows:
-            batch.append(
-                b"%b %b %d %d %d\r\n%b\r\n"
-                % (verb, queue.encode(), flags, exptime, len(body), body)
-            )
-            if len(batch) >= STORE_BATCH:
-                ok, no = self._store_batch(batch)
-                stored, not_stored, batch = stored + ok, not_stored + no, []
-        if batch:
-            ok, no = self._store_batch(batch)
+        for ok, no in self._pipeline(blocks, self._store_replies):
             stored, not_stored = stored + ok, not_stored + no
         return Stored(stored, not_stored)
 
-    def _store_batch(self, batch: list[bytes]) -> tuple[int, int]:
-        try:
-            self.sock.sendall(b"".join(batch))
-        except OSError as error:
-            raise WireError(f"mqd at {address_text(self.address)}: {error}") from None
+    def _store_replies(self, count: int) -> tuple[int, int]:
+        """Reads `count` storage replies: (STORED, NOT_STORED); raises on any other."""
+        expected = _STORED * count
+        while len(self.data) - self.pos < len(expected):
+            # Every reply but an unlikely bare ERROR is 8 bytes or longer: a
+            # short read waits for more, unless the replies are all here.
+            if self.data.count(b"\n", self.pos) >= count:
+                break
+            self._fill()
+        if self.data.startswith(expected, self.pos):
+            self.pos += len(expected)
+            return count, 0
         stored = not_stored = 0
-        for _ in batch:
+        for _ in range(count):
             line = self._line()
             if line == b"STORED":
                 stored += 1
             elif line == b"NOT_STORED":
                 not_stored += 1
             else:
-                raise WireError(f"mqd at {address_text(self.address)}: {line.decode()}")
+                raise self._error(line.decode("utf-8", "replace"))
         return stored, not_stored
+
+    def store(self, rows: Iterable[tuple[str, bytes, int, int]], command: str = "set") -> Stored:
+        """Enqueues (queue, body, flags, exptime) rows in order, pipelined."""
+        verb = command.encode()
+        block: list[bytes] = []
+
+        def blocks() -> Iterator[tuple[bytes, int]]:
+            for queue, body, flags, exptime in rows:
+                block.append(
+                    b"%b %b %d %d %d\r\n%b\r\n"
+                    % (verb, queue.encode(), flags, exptime, len(body), body)
+                )
+                if len(block) == STORE_BATCH:
+                    yield b"".join(block), len(block)
+                    block.clear()
+            if block:
+                yield b"".join(block), len(block)
+
+        return self.store_blocks(blocks())
 
     def stats(self) -> dict[str, str]:
         """`stats`: the general counters and the per-queue lines, as text."""

@@ -1,0 +1,119 @@
+"""The bulk paths the data source's tasks use (Arrow batches to pipelined commands and
+back), against a real daemon, without Spark: awkward bodies, replies split across
+reads, NOT_STORED and error replies, and the daemon's limit on keys per line."""
+
+from __future__ import annotations
+
+import uuid
+from contextlib import closing
+
+import pyarrow as pa
+import pytest
+from mqd_spark import rows
+from mqd_spark.wire import Connection, WireError
+from spark_helpers import take_all
+
+from mqd.testing.daemon import Daemon
+
+pytest_plugins = ("spark_helpers",)
+
+# Bodies that look like the protocol's own lines, an empty one, and one much
+# larger than a read from the socket, so that a reply is split mid-body.
+AWKWARD = [
+    b"END",
+    b"END\r\n",
+    b"VALUE x 0 5 1\r\nhello\r\n",
+    b"STORED\r\n",
+    b"",
+    b"\r\n\r\n",
+    bytes(range(256)) * 2000,
+    b"last",
+]
+
+
+def spec(queue: str | None, verb: str = "set") -> rows.CommandSpec:
+    return rows.CommandSpec(verb=verb, queue=queue, flags=3, exptime=0)
+
+
+def store(daemon: Daemon, batch: pa.RecordBatch, command: rows.CommandSpec) -> tuple[int, int]:
+    with closing(Connection(daemon.address)) as conn:
+        return tuple(conn.store_blocks(rows.commands(batch, command)))  # type: ignore[return-value]
+
+
+def test_awkward_bodies_round_trip_in_order(memory_mqd: Daemon, q: str) -> None:
+    batch = pa.RecordBatch.from_pydict({"body": pa.array(AWKWARD, pa.binary())})
+    assert store(memory_mqd, batch, spec(q)) == (len(AWKWARD), 0)
+    with closing(Connection(memory_mqd.address)) as conn:
+        head = conn.head(q)
+        assert head is not None
+        chunks = list(conn.read_ids(q, head, head + len(AWKWARD) - 1, rows=3))
+    got = pa.Table.from_batches([rows.record_batch(q, chunk) for chunk in chunks])
+    assert got.column("body").to_pylist() == AWKWARD
+    assert got.column("id").to_pylist() == list(range(head, head + len(AWKWARD)))
+    assert set(got.column("flags").to_pylist()) == {3}
+    assert set(got.column("queue").to_pylist()) == {q}
+    assert take_all(memory_mqd, q) == AWKWARD  # reading by id removed nothing
+
+
+def test_row_columns_override_the_options(memory_mqd: Daemon, q: str) -> None:
+    batch = pa.RecordBatch.from_pydict(
+        {
+            "body": pa.array(["a", "b", "c"], pa.string()),
+            "queue": pa.array([q + "x", None, q + "x"], pa.string()),
+            "flags": pa.array([7, None, 9], pa.int32()),
+            "exptime": pa.array([None, 0, -1], pa.int64()),
+        }
+    )
+    # exptime -1: stored as already expired, so never delivered (memcached's rule).
+    assert store(memory_mqd, batch, spec(q)) == (3, 0)
+    with closing(Connection(memory_mqd.address)) as conn:
+        x = conn.take(q + "x", 5)
+        plain = conn.take(q, 5)
+    assert (x.bodies, x.flags) == ([b"a"], [7])
+    assert (plain.bodies, plain.flags) == ([b"b"], [3])
+
+
+def test_add_counts_what_was_not_stored(memory_mqd: Daemon, q: str) -> None:
+    batch = pa.RecordBatch.from_pydict({"body": pa.array([b"a", b"a", b"b"] * 3000)})
+    assert store(memory_mqd, batch, spec(q, "add")) == (2, 8998)
+    assert sorted(take_all(memory_mqd, q)) == [b"a", b"b"]
+
+
+def test_an_error_reply_raises_and_names_it(memory_mqd: Daemon, q: str) -> None:
+    batch = pa.RecordBatch.from_pydict({"body": pa.array([b"ok", b"x" * (2 << 20)])})
+    with pytest.raises(WireError, match="too large"):
+        store(memory_mqd, batch, spec(q))
+
+
+@pytest.mark.parametrize(
+    ("columns", "message"),
+    [
+        ({"body": pa.array([b"a", None])}, "no body"),
+        ({"body": pa.array([b"a"]), "queue": pa.array(["two words"])}, "space"),
+        ({"body": pa.array([b"a"]), "queue": pa.array(["a/b"])}, "'/'"),
+    ],
+)
+def test_rows_that_cannot_be_sent_are_refused(columns: dict[str, pa.Array], message: str) -> None:
+    batch = pa.RecordBatch.from_pydict(columns)
+    with pytest.raises(ValueError, match=message):
+        list(rows.commands(batch, spec("q")))
+
+
+def test_a_row_without_a_queue_needs_the_option() -> None:
+    batch = pa.RecordBatch.from_pydict(
+        {"body": pa.array([b"a"]), "queue": pa.array([None], pa.string())}
+    )
+    with pytest.raises(ValueError, match="no queue"):
+        list(rows.commands(batch, spec(None)))
+
+
+def test_bulk_take_of_a_short_name_stays_within_the_key_limit(memory_mqd: Daemon) -> None:
+    # A 5-byte name fits more than the daemon's 8192 keys in one 60 KB line.
+    queue = "t" + uuid.uuid4().hex[:4]
+    bodies = [b"%05d" % i for i in range(9_000)]
+    store(memory_mqd, pa.RecordBatch.from_pydict({"body": pa.array(bodies)}), spec(queue))
+    with closing(Connection(memory_mqd.address)) as conn:
+        head = conn.head(queue)
+        assert head is not None
+        assert conn.remove_through(queue, head + 8_999) == 9_000
+        assert conn.head(queue) is None
