@@ -2,10 +2,10 @@
 
 A batch read has no commit step in PySpark's data source API, so the driver
 listens for finished queries (a QueryExecutionListener, through py4j): when a
-query succeeds, the id ranges its drain scans planned are removed from their
-queues, in id order; when it fails, nothing is removed and a rerun reads the
-same rows again. Spark delivers that event on its listener thread just before
-the action returns; wait_for_commits() waits for it.
+query succeeds, the leases its drain scans' tasks reserved are acknowledged
+(their messages removed for good); when it fails, they are given back to
+their queues, to be read again. Spark delivers that event on its listener
+thread just before the action returns; wait_for_commits() waits for it.
 """
 
 from __future__ import annotations
@@ -14,62 +14,63 @@ import logging
 import pickle
 from collections import deque
 from collections.abc import Iterator
-from contextlib import closing
 from typing import Any
 
 from pyspark.sql import SparkSession
 
-from mqd_spark.source import MqdPartition
-from mqd_spark.wire import Address, Connection, address_text
+from mqd_spark import leases
+from mqd_spark.leases import LeasePartition
 
 log = logging.getLogger(__name__)
 
 LISTENER = "org.apache.spark.sql.util.QueryExecutionListener"
 # Above a drain scan these keep only some of the rows the tasks read: the
 # others would be removed without ever reaching the caller, so such a query
-# removes nothing (the `limit` option bounds a drain instead).
+# gives every row back (the `limit` option bounds a drain instead).
 PARTIAL = ("Limit", "TakeOrdered", "Sample")
 
 _committers: dict[int, DrainCommitter] = {}
 
 
 class DrainCommitter:
-    """Removes what a successful query's drain scans read."""
+    """Settles the leases of finished queries' drain scans."""
 
     def __init__(self) -> None:
-        # (server, queue, last id, number removed) of the latest commits
-        self.committed: deque[tuple[str, str, int, int]] = deque(maxlen=1000)
+        # (queue, leases that held messages) of the latest acknowledgements
+        self.committed: deque[tuple[str, int]] = deque(maxlen=1000)
 
     def onSuccess(self, funcName: str, qe: Any, durationNs: int) -> None:
-        try:
-            self.commit(qe.executedPlan())
-        except Exception:  # a failure here must not stop Spark's listener thread
-            log.exception("mqd drain: removing the rows read failed; they stay in the queue")
+        self._settle(qe, succeeded=True)
 
     def onFailure(self, funcName: str, qe: Any, exception: Any) -> None:
-        """The query failed: its rows stay in their queues, to be read again."""
+        self._settle(qe, succeeded=False)
 
-    def commit(self, plan: Any) -> None:
-        partitions: list[MqdPartition] = []
+    def _settle(self, qe: Any, *, succeeded: bool) -> None:
+        try:
+            self.settle(qe.executedPlan(), succeeded=succeeded)
+        except Exception:  # a failure here must not stop Spark's listener thread
+            log.exception(
+                "mqd drain: settling the leases failed; their messages go back to their "
+                "queues when the visibility timeout passes"
+            )
+
+    def settle(self, plan: Any, *, succeeded: bool) -> None:
+        partitions: list[LeasePartition] = []
         partial = False
         for node in _nodes(plan):
             name = node.getClass().getSimpleName()
             partial = partial or any(word in name for word in PARTIAL)
             if name == "BatchScanExec":
-                partitions += [p for p in _mqd_partitions(node) if p.drain]
+                partitions += _lease_partitions(node)
         if not partitions:
             return
-        if partial:
-            log.warning("mqd drain: the query keeps only some rows read; nothing removed")
-            return
-        last: dict[tuple[Address, str], int] = {}
-        for p in partitions:
-            key = (p.server, p.queue)
-            last[key] = max(last.get(key, p.last), p.last)
-        for (server, queue), end in sorted(last.items()):
-            with closing(Connection(server)) as conn:
-                removed = conn.remove_through(queue, end)
-            self.committed.append((address_text(server), queue, end, removed))
+        if partial and succeeded:
+            log.warning("mqd drain: the query keeps only some rows read; they go back")
+        ack = succeeded and not partial
+        settled = leases.settle(partitions, ack=ack)
+        if ack:
+            for queue in sorted({p.queue for p in partitions}):
+                self.committed.append((queue, settled))
 
     class Java:
         implements = [LISTENER]
@@ -93,17 +94,17 @@ def _nodes(plan: Any) -> Iterator[Any]:
             stack.append(children.next())
 
 
-def _mqd_partitions(scan: Any) -> Iterator[MqdPartition]:
+def _lease_partitions(scan: Any) -> Iterator[LeasePartition]:
     partitions = scan.inputPartitions().iterator()
     while partitions.hasNext():
         partition = partitions.next()
         if not hasattr(partition, "pickedPartition"):
             return
         data = bytes(partition.pickedPartition())
-        if b"mqd_spark.source" not in data:  # another Python data source's partition
+        if b"mqd_spark.leases" not in data:  # a peek, or another Python data source
             return
         value = pickle.loads(data)
-        if isinstance(value, MqdPartition):
+        if isinstance(value, LeasePartition):
             yield value
 
 

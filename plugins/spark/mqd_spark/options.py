@@ -91,6 +91,14 @@ def _number(
     return value
 
 
+def _matching(options: Options, stats: Mapping[str, object]) -> list[str]:
+    """The queues `options` name: its plain names, and the queues in `stats` its globs match."""
+    names = {q for q in options.queues if not GLOB_CHARS & set(q)}
+    globs = [q for q in options.queues if GLOB_CHARS & set(q)]
+    names |= {q for q in stats if any(fnmatch.fnmatchcase(q, g) for g in globs)}
+    return sorted(names)
+
+
 def survey(options: Options, conn: Connection) -> list[tuple[str, int, int]]:
     """(queue, head id, last id) of each matching queue with messages on one server, now.
 
@@ -99,12 +107,20 @@ def survey(options: Options, conn: Connection) -> list[tuple[str, int, int]]:
     early and a later one gets the rest, never a wrong row.
     """
     stats = conn.queue_stats()
-    names = {q for q in options.queues if not GLOB_CHARS & set(q)}
-    globs = [q for q in options.queues if GLOB_CHARS & set(q)]
-    names |= {q for q in stats if any(fnmatch.fnmatchcase(q, g) for g in globs)}
     out = []
-    for queue in sorted(names):
+    for queue in _matching(options, stats):
         head = conn.head(queue)
         if head is not None:
             out.append((queue, head, head + stats.get(queue, {}).get("items", 0) - 1))
+    return out
+
+
+def waiting(options: Options, conn: Connection) -> list[tuple[str, int]]:
+    """(queue, messages waiting: neither open nor leased) of each matching queue on one server."""
+    stats = conn.queue_stats()
+    out = []
+    for queue in _matching(options, stats):
+        counts = stats.get(queue, {})
+        if (count := counts.get("items", 0) - counts.get("open", 0)) > 0:
+            out.append((queue, count))
     return out

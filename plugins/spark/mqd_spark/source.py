@@ -1,9 +1,10 @@
 """The "mqd" PySpark data source: batch and streaming reads and writes over the wire.
 
-Reads are by message id (`gets <q>/at=<id>`), so a Spark task that is retried
-reads exactly the rows it read before. A drain removes rows only once Spark
-reports that the job (or the micro-batch) that read them succeeded: see
-mqd_spark.drain for batch reads and `MqdStreamReader.commit` for streams.
+A peek reads by message id (`gets <q>/at=<id>`), so a Spark task that is
+retried reads exactly the rows it read before, and nothing leaves the queue.
+A drain reads through named leases (mqd_spark.leases): its rows leave the
+queue only once Spark reports that the job (mqd_spark.drain) or the
+micro-batch (`MqdLeaseStreamReader.commit`) that read them succeeded.
 """
 
 from __future__ import annotations
@@ -25,29 +26,23 @@ from pyspark.sql.datasource import (
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 from pyspark.sql.types import BinaryType, IntegralType, StringType, StructType
 
+from mqd_spark import leases, rows
 from mqd_spark import options as opts
-from mqd_spark import rows
 from mqd_spark.wire import Address, Connection, address_text, parse_servers
 
 SCHEMA = "queue string, id long, flags long, body binary"
 
 
 class MqdPartition(InputPartition):
-    """Messages first..last (ids) of one queue on one server."""
+    """Messages first..last (ids) of one queue on one server, for a peek."""
 
-    def __init__(self, server: Address, queue: str, first: int, last: int, drain: bool) -> None:
+    def __init__(self, server: Address, queue: str, first: int, last: int) -> None:
         super().__init__((server, queue, first, last))
-        self.server, self.queue, self.first, self.last, self.drain = (
-            server,
-            queue,
-            first,
-            last,
-            drain,
-        )
+        self.server, self.queue, self.first, self.last = server, queue, first, last
 
 
 def split(
-    server: Address, queue: str, first: int, last: int, parts: int | None, drain: bool
+    server: Address, queue: str, first: int, last: int, parts: int | None
 ) -> list[MqdPartition]:
     """first..last cut into `parts` ranges (default: one per ROWS_PER_PARTITION ids)."""
     size = last - first + 1
@@ -56,12 +51,20 @@ def split(
     parts = min(size, parts or -(-size // opts.ROWS_PER_PARTITION))
     step = -(-size // parts)
     return [
-        MqdPartition(server, queue, lo, min(last, lo + step - 1), drain)
+        MqdPartition(server, queue, lo, min(last, lo + step - 1))
         for lo in range(first, last + 1, step)
     ]
 
 
-def read_partition(partition: MqdPartition, timeout: float) -> Iterator[pa.RecordBatch]:
+def rows_per_part(options: opts.Options, count: int) -> int:
+    return -(-count // options.partitions) if options.partitions else opts.ROWS_PER_PARTITION
+
+
+def read_partition(partition: InputPartition, timeout: float) -> Iterator[pa.RecordBatch]:
+    if isinstance(partition, leases.LeasePartition):
+        yield from leases.read(partition, timeout)
+        return
+    assert isinstance(partition, MqdPartition)
     with closing(Connection(partition.server, timeout)) as conn:
         for chunk in conn.read_ids(partition.queue, partition.first, partition.last):
             yield rows.record_batch(partition.queue, chunk)
@@ -83,9 +86,9 @@ class MqdDataSource(DataSource):
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         options = opts.parse(self.options)
-        if "mode" not in {k.lower() for k in self.options}:
-            options = opts.Options(**{**options.__dict__, "mode": "drain"})
-        return MqdStreamReader(options)
+        if options.mode == "peek" and "mode" in {k.lower() for k in self.options}:
+            return MqdStreamReader(options)
+        return MqdLeaseStreamReader(options)  # drain: the default for streams
 
     def writer(self, schema: StructType, overwrite: bool) -> MqdWriter:
         return MqdWriter(_write_options(self.options, schema, overwrite), schema)
@@ -99,20 +102,28 @@ class MqdReader(DataSourceReader):
         self.options = options
 
     def partitions(self) -> Sequence[InputPartition]:
-        """Each queue's ids from its head to its tail (or `limit`), as they are now."""
+        """Peek: each queue's ids from its head to its tail (or `limit`), as they are now.
+
+        Drain: as many messages as are waiting now (or `limit`), as leases.
+        """
         out: list[InputPartition] = []
-        drain = self.options.mode == "drain"
+        limit = self.options.limit
+        base = leases.new_base()
         for server in self.options.servers:
             with closing(Connection(server, self.options.timeout)) as conn:
-                found = opts.survey(self.options, conn)
-            for queue, head, last in found:
-                if self.options.limit is not None:
-                    last = min(last, head + self.options.limit - 1)
-                out += split(server, queue, head, last, self.options.partitions, drain)
+                if self.options.mode == "drain":
+                    for queue, count in opts.waiting(self.options, conn):
+                        count = min(count, limit or count)
+                        per_part = rows_per_part(self.options, count)
+                        out += leases.plan(server, queue, base, count, per_part)
+                    continue
+                for queue, head, last in opts.survey(self.options, conn):
+                    if limit is not None:
+                        last = min(last, head + limit - 1)
+                    out += split(server, queue, head, last, self.options.partitions)
         return out
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, MqdPartition)
         return read_partition(partition, self.options.timeout)
 
 
@@ -120,13 +131,16 @@ def _key(server: Address, queue: str) -> str:
     return f"{address_text(server)}/{queue}"
 
 
-class MqdStreamReader(DataSourceStreamReader):
-    """Offsets are {"host:port/queue": next id}; a batch reads ids start..end-1 by id.
+def _unkey(key: str) -> tuple[Address, str]:
+    address, _, queue = key.partition("/")
+    return parse_servers(address)[0], queue
 
-    commit(end) removes the batch's rows (drain mode); Spark calls it for batch
-    k when it plans batch k+1, so the last batch's rows stay until more arrive.
-    A restart from the checkpoint resumes at the committed offsets and reads
-    by id, so rows left behind are neither lost nor read twice.
+
+class MqdStreamReader(DataSourceStreamReader):
+    """A peek stream: offsets are {"host:port/queue": next id}; a batch reads ids start..end-1.
+
+    Nothing leaves the queue; a restart from the checkpoint resumes at the
+    committed offsets.
     """
 
     def __init__(self, options: opts.Options) -> None:
@@ -146,9 +160,7 @@ class MqdStreamReader(DataSourceStreamReader):
         return {key: head for key, (head, _) in self._heads().items()}
 
     def getDefaultReadLimit(self) -> ReadLimit:
-        if self.options.limit is not None:
-            return ReadMaxRows(self.options.limit)
-        return ReadAllAvailable()
+        return _read_limit(self.options)
 
     def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
         end = dict(start)
@@ -166,26 +178,100 @@ class MqdStreamReader(DataSourceStreamReader):
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         out: list[InputPartition] = []
-        drain = self.options.mode == "drain"
         for key, after in end.items():
-            address, _, queue = key.partition("/")
-            server = parse_servers(address)[0]
+            server, queue = _unkey(key)
             first = start.get(key, after)
-            out += split(server, queue, first, after - 1, self.options.partitions, drain)
+            out += split(server, queue, first, after - 1, self.options.partitions)
         return out
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, MqdPartition)
         return read_partition(partition, self.options.timeout)
 
     def commit(self, end: dict[str, int]) -> None:
-        if self.options.mode != "drain":
-            return
-        for key, after in end.items():
-            address, _, queue = key.partition("/")
-            server = parse_servers(address)[0]
+        """Nothing to do: a peek stream removes nothing."""
+
+
+def _read_limit(options: opts.Options) -> ReadLimit:
+    return ReadAllAvailable() if options.limit is None else ReadMaxRows(options.limit)
+
+
+# The lease base of a drain stream, in its offsets beside the queues' positions.
+LEASE = "lease"
+Offset = dict[str, str | list[int]]
+
+
+class MqdLeaseStreamReader(DataSourceStreamReader):
+    """A drain stream: each micro-batch of a queue is a set of named leases.
+
+    Offsets are {"lease": base, "host:port/queue": [batch, messages]}: batch b
+    of a queue holds up to `messages` messages in leases "<base>-<b>-<i>",
+    reserved by the batch's tasks. `commit(end)` acknowledges the batch's
+    leases; a query restarted from its checkpoint replays its last batch
+    under the same names and so reads the same messages (while the daemon
+    that holds them runs). Other consumers of the queue never get them.
+
+    Spark commits batch k only when it plans batch k+1; when no more
+    messages are waiting, an empty batch is planned so that the last one's
+    messages leave the queue (and its leases do not reach their timeout).
+    """
+
+    def __init__(self, options: opts.Options) -> None:
+        self.options = options
+
+    def initialOffset(self) -> Offset:
+        return {LEASE: leases.new_base()}
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        return _read_limit(self.options)
+
+    def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
+        end = dict(start)
+        for server in self.options.servers:
             with closing(Connection(server, self.options.timeout)) as conn:
-                conn.remove_through(queue, after - 1)
+                found = opts.waiting(self.options, conn)
+            for queue, count in found:
+                key = _key(server, queue)
+                if isinstance(limit, ReadMaxRows):
+                    count = min(count, limit.max_rows)
+                end[key] = [_batch(start, key) + 1, count]
+        if end == start:  # nothing new: plan an empty batch if the last one held messages
+            for key, value in start.items():
+                if key != LEASE and isinstance(value, list) and value[1] > 0:
+                    end[key] = [value[0] + 1, 0]
+        return end
+
+    def _leases(self, end: Offset, key: str) -> list[leases.LeasePartition]:
+        """The partitions of the batch that ends at `end` for queue `key`."""
+        value = end[key]
+        assert isinstance(value, list)
+        batch, count = value
+        server, queue = _unkey(key)
+        base = f"{end[LEASE]}-{batch - 1}"
+        return leases.plan(server, queue, base, count, rows_per_part(self.options, count))
+
+    def partitions(self, start: Offset, end: Offset) -> Sequence[InputPartition]:
+        return [
+            p
+            for key in end
+            if key != LEASE and _batch(end, key) > _batch(start, key)
+            for p in self._leases(end, key)
+        ]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        return read_partition(partition, self.options.timeout)
+
+    def commit(self, end: Offset) -> None:
+        """Acknowledges the leases of the batch that ended at `end` (again: a no-op)."""
+        leases.settle(
+            [p for key in end if key != LEASE for p in self._leases(end, key)],
+            ack=True,
+            timeout=self.options.timeout,
+        )
+
+
+def _batch(offset: Offset, key: str) -> int:
+    value = offset.get(key)
+    return value[0] if isinstance(value, list) else 0
 
 
 @dataclass

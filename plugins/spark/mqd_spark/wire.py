@@ -7,13 +7,10 @@ together; the data source needs both, at bulk rates, over one socket per task.
 
 from __future__ import annotations
 
-import logging
 import re
 import socket
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple, TypeVar
-
-log = logging.getLogger(__name__)
 
 Address = tuple[str, int]
 
@@ -220,39 +217,42 @@ class Connection:
         if out.ids:
             yield out
 
-    def take(self, queue: str, count: int) -> Columns:
-        """Removes up to `count` messages from the head: each `gets` line repeats the key."""
-        key = queue.encode()
-        per_line = max(1, min(MAX_GET_KEYS, MAX_GET_LINE // (len(key) + 1)))
-        lines = (
-            (b"gets " + b" ".join([key] * min(per_line, count - done)) + b"\r\n", None)
-            for done in range(0, count, per_line)
-        )
-        out = Columns([], [], [])
-        for got in self._pipeline(lines, self._reply):
-            out.extend(got)
-        return out
+    # -- named leases (docs/protocol.md, "Named leases") ------------------------
 
-    def remove_through(self, queue: str, last: int) -> int:
-        """Removes every message at the head with an id up to `last`; the number removed.
+    def lease_read(self, queue: str, leases: Iterable[tuple[str, int]]) -> Iterator[Columns]:
+        """Reserves each (name, count) lease and yields what it holds, in order.
 
-        Correct when nothing else takes from the queue meanwhile (one consumer).
-        Ids are taken in bulk, as many as can lie in head..last; if some ids in
-        that range were missing (expired), a message past `last` may come too:
-        it is given back at the tail rather than lost.
+        Asking again gives the same messages while the lease lives: a retried
+        task reads exactly what the failed attempt read (and more, up to
+        `count`, if that one had found the queue short).
         """
-        removed = 0
-        while (head := self.head(queue)) is not None and head <= last:
-            taken = self.take(queue, last - head + 1)
-            extra = [(f, b) for i, f, b in zip(*taken, strict=True) if i > last]
-            removed += len(taken.ids) - len(extra)
-            if extra:
-                log.warning("%d message(s) past id %d of %s re-queued", len(extra), last, queue)
-                self.store((queue, body, flags, 0) for flags, body in extra)
-                break
-            if not taken.ids:
-                break
-        return removed
+        name = queue.encode()
+        lines = (
+            (b"gets %b/lease=%b/n=%d\r\n" % (name, lease.encode(), n), None) for lease, n in leases
+        )
+        for got in self._pipeline(lines, self._reply):
+            if got.ids:
+                yield got
+
+    def lease_ack(self, queue: str, leases: Iterable[str]) -> int:
+        """Removes every message of each lease for good; how many leases held any."""
+        name = queue.encode()
+        lines = ((b"delete %b/lease=%b\r\n" % (name, lease.encode()), None) for lease in leases)
+        deleted = 0
+        for line in self._pipeline(lines, lambda _: self._line()):
+            if line == b"DELETED":
+                deleted += 1
+            elif line != b"NOT_FOUND":
+                raise self._error(line.decode("utf-8", "replace"))
+        return deleted
+
+    def lease_abort(self, queue: str, leases: Iterable[str]) -> None:
+        """Gives every message of each lease back to the head of the queue."""
+        name = queue.encode()
+        lines = ((b"get %b/lease=%b/abort\r\n" % (name, lease.encode()), None) for lease in leases)
+        for got in self._pipeline(lines, self._reply):
+            if got.ids:
+                raise self._error("an abort answered with messages")
 
     # -- storage ----------------------------------------------------------------
 

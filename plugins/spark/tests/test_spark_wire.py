@@ -1,10 +1,9 @@
 """The bulk paths the data source's tasks use (Arrow batches to pipelined commands and
 back), against a real daemon, without Spark: awkward bodies, replies split across
-reads, NOT_STORED and error replies, and the daemon's limit on keys per line."""
+reads, NOT_STORED and error replies, and named leases."""
 
 from __future__ import annotations
 
-import uuid
 from contextlib import closing
 
 import pyarrow as pa
@@ -67,10 +66,10 @@ def test_row_columns_override_the_options(memory_mqd: Daemon, q: str) -> None:
     # exptime -1: stored as already expired, so never delivered (memcached's rule).
     assert store(memory_mqd, batch, spec(q)) == (3, 0)
     with closing(Connection(memory_mqd.address)) as conn:
-        x = conn.take(q + "x", 5)
-        plain = conn.take(q, 5)
-    assert (x.bodies, x.flags) == ([b"a"], [7])
-    assert (plain.bodies, plain.flags) == ([b"b"], [3])
+        x = list(conn.lease_read(q + "x", [("a", 5)]))
+        plain = list(conn.lease_read(q, [("a", 5)]))
+    assert [(c.bodies, c.flags) for c in x] == [([b"a"], [7])]
+    assert [(c.bodies, c.flags) for c in plain] == [([b"b"], [3])]
 
 
 def test_add_counts_what_was_not_stored(memory_mqd: Daemon, q: str) -> None:
@@ -107,13 +106,16 @@ def test_a_row_without_a_queue_needs_the_option() -> None:
         list(rows.commands(batch, spec(None)))
 
 
-def test_bulk_take_of_a_short_name_stays_within_the_key_limit(memory_mqd: Daemon) -> None:
-    # A 5-byte name fits more than the daemon's 8192 keys in one 60 KB line.
-    queue = "t" + uuid.uuid4().hex[:4]
-    bodies = [b"%05d" % i for i in range(9_000)]
-    store(memory_mqd, pa.RecordBatch.from_pydict({"body": pa.array(bodies)}), spec(queue))
+def test_leases_read_again_acknowledge_and_give_back(memory_mqd: Daemon, q: str) -> None:
+    bodies = [b"%05d" % i for i in range(25)]
+    store(memory_mqd, pa.RecordBatch.from_pydict({"body": pa.array(bodies)}), spec(q))
+    plan = [("job-0", 10), ("job-1", 10)]
     with closing(Connection(memory_mqd.address)) as conn:
-        head = conn.head(queue)
-        assert head is not None
-        assert conn.remove_through(queue, head + 8_999) == 9_000
-        assert conn.head(queue) is None
+        first = [c.bodies for c in conn.lease_read(q, plan)]
+        again = [c.bodies for c in conn.lease_read(q, plan)]  # a retried task
+        assert first == again == [bodies[:10], bodies[10:20]]
+        assert take_all(memory_mqd, q) == bodies[20:]  # leased ones are no one else's
+        assert conn.lease_ack(q, ["job-0"]) == 1
+        conn.lease_abort(q, ["job-1"])
+        assert conn.lease_ack(q, ["job-0", "job-1", "never"]) == 0
+    assert take_all(memory_mqd, q) == bodies[10:20]  # given back; job-0's are gone
