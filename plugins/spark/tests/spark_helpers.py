@@ -4,6 +4,8 @@ with a plain memcached client."""
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -83,3 +85,35 @@ def take_all(daemon: Daemon, queue: str) -> list[bytes]:
         out.append(body)
     client.close()
     return out
+
+
+class Consumer(threading.Thread):
+    """A plain pymemcache consumer beside Spark: takes from `queue` one message at a time,
+    about `rate` a second, until told to stop and the queue is empty (or 120 s passed)."""
+
+    def __init__(self, daemon: Daemon, queue: str, rate: float = 1000) -> None:
+        super().__init__(daemon=True)
+        self.address, self.queue, self.pause = daemon.address, queue, 1 / rate
+        self.got: list[bytes] = []
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        client = Client(self.address)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            body = client.get(self.queue)
+            if body is None:
+                if self.stopping.is_set():
+                    break
+                time.sleep(0.01)
+                continue
+            self.got.append(body)
+            time.sleep(self.pause)
+        client.close()
+
+    def finish(self) -> list[bytes]:
+        """What it took, once the queue is empty."""
+        self.stopping.set()
+        self.join(130)
+        assert not self.is_alive()
+        return self.got

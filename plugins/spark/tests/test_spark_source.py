@@ -13,7 +13,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.functions import col, concat_ws, spark_partition_id, udf
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.types import BinaryType
-from spark_helpers import fill, items, servers, take_all
+from spark_helpers import Consumer, fill, items, servers, take_all
 
 from mqd.testing.daemon import Daemon
 
@@ -159,45 +159,84 @@ def test_several_queues_by_glob_on_several_servers(
     ]
 
 
+def start_stream(
+    spark: SparkSession, daemon: Daemon, queue: str, tmp_path: Path, max_messages: int
+) -> StreamingQuery:
+    """A drain stream of `queue` into Parquet under tmp_path/out, checkpointed."""
+    stream = (
+        spark.readStream.format("mqd")
+        .option("servers", servers(daemon))
+        .option("queue", queue)
+        .option("max_messages", str(max_messages))
+        .load()
+    )
+    return (
+        stream.writeStream.format("parquet")
+        .option("path", str(tmp_path / "out"))
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(processingTime="0 seconds")
+        .start()
+    )
+
+
+def stop_after_batches(query: StreamingQuery, batches: int) -> None:
+    """Stops `query` mid-stream, once `batches` batches with rows are done."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert query.exception() is None
+        if sum(1 for p in query.recentProgress if p["numInputRows"] > 0) >= batches:
+            break
+        time.sleep(0.1)
+    query.stop()
+
+
 def test_stream_restarted_from_its_checkpoint_is_exactly_once(
     spark: SparkSession, mqd: Daemon, q: str, tmp_path: Path
 ) -> None:
     fill(mqd, q, bodies(120))
-    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
-
-    def start() -> StreamingQuery:
-        stream = (
-            spark.readStream.format("mqd")
-            .option("servers", servers(mqd))
-            .option("queue", q)
-            .option("max_messages", "20")
-            .load()
-        )
-        return (
-            stream.writeStream.format("parquet")
-            .option("path", str(out))
-            .option("checkpointLocation", str(checkpoint))
-            .trigger(processingTime="0 seconds")
-            .start()
-        )
-
-    query = start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # stop it mid-stream, after two batches
-        assert query.exception() is None
-        if sum(1 for p in query.recentProgress if p["numInputRows"] > 0) >= 2:
-            break
-        time.sleep(0.1)
-    query.stop()
-    assert spark.read.parquet(str(out)).count() < 120
+    stop_after_batches(start_stream(spark, mqd, q, tmp_path, 20), 2)
+    out = str(tmp_path / "out")
+    assert spark.read.parquet(out).count() < 120
     fill(mqd, q, bodies(30, "late"))
-    query = start()
+    query = start_stream(spark, mqd, q, tmp_path, 20)
     query.processAllAvailable()
     query.stop()
-    got = sorted(r.body for r in spark.read.parquet(str(out)).collect())
+    got = sorted(r.body for r in spark.read.parquet(out).collect())
     assert got == sorted(bodies(120) + bodies(30, "late"))
     # Spark commits a batch when it plans the next: only the last batch may remain.
     assert items(mqd, q) <= 20
+
+
+def test_drain_beside_another_consumer_is_exactly_once(
+    spark: SparkSession, mqd: Daemon, q: str
+) -> None:
+    fill(mqd, q, bodies(3000))
+    consumer = Consumer(mqd, q)
+    consumer.start()
+    df = read(spark, mqd, q, mode="drain", partitions="3")
+    # a task fails once and is retried while the consumer keeps taking
+    drained = [r.body for r in df.select(fails_once("body").alias("body")).collect()]
+    mqd_spark.wait_for_commits(spark)
+    taken = consumer.finish()
+    assert drained and taken  # both got some: they really ran side by side
+    assert sorted(drained + taken) == bodies(3000)
+    assert items(mqd, q) == 0
+
+
+def test_stream_beside_another_consumer_is_exactly_once(
+    spark: SparkSession, mqd: Daemon, q: str, tmp_path: Path
+) -> None:
+    fill(mqd, q, bodies(2000))
+    consumer = Consumer(mqd, q, rate=500)
+    consumer.start()
+    stop_after_batches(start_stream(spark, mqd, q, tmp_path, 200), 2)
+    query = start_stream(spark, mqd, q, tmp_path, 200)  # restarted from its checkpoint
+    query.processAllAvailable()
+    query.stop()
+    taken = consumer.finish()
+    streamed = [r.body for r in spark.read.parquet(str(tmp_path / "out")).collect()]
+    assert streamed and taken
+    assert sorted(streamed + taken) == bodies(2000)
 
 
 def test_stream_sink_moves_rows_between_queues(
