@@ -16,6 +16,7 @@ the input's. Spark's start-up, and a warm-up of each leg on 20,000 rows (the
 first job of a session pays for the JVM's compilation and the Python
 workers' start), are timed apart from the measured jobs. Ratios are against
 the pymemcache loop of the same run; both export legs against the loop's `get`.
+The daemon's CPU time per row during each Spark leg shows what bounds it.
 
 Usage: python benchmarks/run_spark.py [--count 1000000] [--size 100] [--backend memory]
        [--sync none] [--master local[2]]
@@ -34,7 +35,17 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from harness import HOST, checked_load, fill, fmt_rate, fmt_ratio, memcache_stats, mqd, print_table
+from harness import (
+    HOST,
+    Server,
+    checked_load,
+    fill,
+    fmt_rate,
+    fmt_ratio,
+    memcache_stats,
+    mqd,
+    print_table,
+)
 from loadgen import LoadSpec
 from pymemcache.client.base import Client
 
@@ -63,29 +74,31 @@ def items(port: int, queue: str) -> int:
 
 
 def spark_legs(
-    args: argparse.Namespace, servers: str, source: Path, out: Path, queue: str
-) -> tuple[float, float, float]:
-    """Ingest, peek export and drain export through Spark: seconds each, unchecked."""
+    args: argparse.Namespace, server: Server, source: Path, out: Path, queue: str
+) -> list[tuple[float, float]]:
+    """Ingest, peek export and drain export through Spark, unchecked: for each, the
+    seconds it took and the daemon's CPU seconds meanwhile."""
     import mqd_spark
     from pyspark.sql import SparkSession
 
     spark = SparkSession.getActiveSession()
     assert spark is not None
-    times = []
-    start = time.perf_counter()
+    servers = f"{HOST}:{server.port}"
+    legs = []
+    start, cpu = time.perf_counter(), server.cpu()
     spark.read.parquet(str(source)).write.format("mqd").option("servers", servers).option(
         "queue", queue
     ).save()
-    times.append(time.perf_counter() - start)
+    legs.append((time.perf_counter() - start, server.cpu() - cpu))
     for mode in ("peek", "drain"):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), server.cpu()
         reader = spark.read.format("mqd").option("servers", servers).option("queue", queue)
         if args.partitions:
             reader = reader.option("partitions", str(args.partitions))
         reader.option("mode", mode).load().write.parquet(str(out / mode))
         mqd_spark.wait_for_commits(spark)
-        times.append(time.perf_counter() - start)
-    return times[0], times[1], times[2]
+        legs.append((time.perf_counter() - start, server.cpu() - cpu))
+    return legs
 
 
 def write_source(path: Path, data: list[bytes]) -> None:
@@ -142,14 +155,13 @@ def main() -> int:
         )
         spark.sparkContext.setLogLevel("ERROR")
         mqd_spark.register(spark)
-        servers = f"{HOST}:{port}"
         warm = Path(tmp) / "warm.parquet"
         write_source(warm, data[:20_000])
-        spark_legs(args, servers, warm, Path(tmp) / "warm", "warmup")
+        spark_legs(args, server, warm, Path(tmp) / "warm", "warmup")
         startup = time.perf_counter() - start
 
         target = Path(tmp) / "out"
-        took_in, took_peek, took_drain = spark_legs(args, servers, source, target, "spark")
+        measured = spark_legs(args, server, source, target, "spark")
         spark.stop()
         for mode in ("peek", "drain"):
             got = pq.read_table(target / mode).column("body").to_pylist()
@@ -172,17 +184,36 @@ def main() -> int:
         )
         ceiling_out = checked_load(server, spec).ops_per_s
 
-    legs = [
-        ("ingest (set)", ref_in, count / took_in, ceiling_in),
-        ("export (peek)", ref_out, count / took_peek, ceiling_out),
-        ("export (drain)", ref_out, count / took_drain, ceiling_out),
-    ]
-    for name, ref, got, ceiling in legs:
-        rows.append([name, fmt_rate(ref), fmt_rate(got), fmt_ratio(got, ref), fmt_rate(ceiling)])
+    names = ("ingest (set)", "export (peek)", "export (drain)")
+    for name, ref, (took, cpu), ceiling in zip(
+        names,
+        (ref_in, ref_out, ref_out),
+        measured,
+        (ceiling_in, ceiling_out, ceiling_out),
+        strict=True,
+    ):
+        got = count / took
+        rows.append(
+            [
+                name,
+                fmt_rate(ref),
+                fmt_rate(got),
+                fmt_ratio(got, ref),
+                f"{cpu / count * 1e6:.1f}",
+                fmt_rate(ceiling),
+            ]
+        )
     print_table(
         f"{count:,} messages of {size} bytes, mqd {args.backend} (sync {args.sync}), "
         f"Spark {args.master} (start-up and warm-up {startup:.1f} s apart)",
-        ["leg", "pymemcache loop rows/s", "Spark rows/s", "Spark/loop", "daemon ceiling ops/s"],
+        [
+            "leg",
+            "pymemcache loop rows/s",
+            "Spark rows/s",
+            "Spark/loop",
+            "daemon CPU µs/row",
+            "daemon ceiling ops/s",
+        ],
         rows,
     )
     print(f"count and digest {expected} checked on every leg")
