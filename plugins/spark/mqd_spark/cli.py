@@ -46,6 +46,15 @@ def _counter(servers: list[Address], name: str) -> int:
     return total
 
 
+def _waiting(options: opts.Options) -> int:
+    """Messages waiting (neither open nor leased) in the queues `options` name."""
+    total = 0
+    for server in options.servers:
+        with closing(Connection(server, timeout=5)) as conn:
+            total += sum(count for _, count in opts.waiting(options, conn))
+    return total
+
+
 @contextmanager
 def _progress(what: str, count: Callable[[], int], total: int | None) -> Iterator[None]:
     """A progress bar with rows/s, fed by polling the daemons' counters."""
@@ -252,8 +261,14 @@ def export(
         raise click.BadParameter(str(error), param_hint="--queue") from None
     total, text = _survey(options, limit)
     as_text = body_type == "string" or (body_type == "auto" and (fmt == "jsonl" or text))
+
+    def done() -> int:
+        if drain:  # a lease reservation is one get hit for many rows: count what is left
+            return max(0, total - _waiting(options))
+        return _counter(addresses, "get_hits")
+
     with _session(master) as spark:
-        count, started = _export(spark, source, target, fmt, as_text, addresses, total)
+        count, started = _export(spark, source, target, fmt, as_text, done, total)
     how = "drained" if drain else "exported"
     _summary(how, count, f"queue {queue}", f"{target} ({fmt})", addresses, started)
 
@@ -264,7 +279,7 @@ def _export(
     target: Path,
     fmt: str,
     as_text: bool,
-    addresses: list[Address],
+    done: Callable[[], int],
     total: int,
 ) -> tuple[int, float]:
     import mqd_spark
@@ -273,7 +288,7 @@ def _export(
     if as_text:
         df = df.withColumn("body", df["body"].cast("string"))
     started = time.monotonic()
-    with _progress("export", lambda: _counter(addresses, "get_hits"), total):
+    with _progress("export", done, total):
         writer = df.write.mode("errorifexists")
         writer.parquet(str(target)) if fmt == "parquet" else writer.json(str(target))
     if source["mode"] == "drain":
