@@ -73,7 +73,6 @@ class Columns(NamedTuple):
 # One VALUE line of a `gets` reply: flags, size, id (the key is ours, not parsed).
 _VALUE = re.compile(rb"VALUE [^ \r\n]+ ([0-9]+) ([0-9]+) ([0-9]+)\r\n")
 _STORED = b"STORED\r\n"
-_NOT_STORED = b"NOT_STORED\r\n"
 
 
 class Connection:
