@@ -12,11 +12,11 @@ from typing import Any
 
 from mqd.backend import Message
 from mqd_bdb.catalog import QueueState
-from mqd_bdb.index import BodyIndex
+from mqd_bdb.deferred import DeferredPuts
 from mqd_bdb.records import U64, WAITING, body_of, first_waiting, read_message
 
 
-class FifoStore(BodyIndex):
+class FifoStore(DeferredPuts):
     """Messages in offset order; PerQueueStore and SingleStore say which files hold them."""
 
     def _first_waiting(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:

@@ -92,31 +92,45 @@ class Operations(Store):
 
     def _append(self, txn: Any, q: QueueState, message: Message) -> bool:
         """Store `message` at the end of `q` (setting its offset); False if its body is there."""
+        message.offset = q.next_offset
+        if not self._write_waiting(txn, q, message):
+            return False
+        self._counted_in(q, message)
+        return True
+
+    def _counted_in(self, q: QueueState, message: Message) -> None:
+        """`message`, its offset the queue's next, joins `q`: count it in."""
         if q.name not in self._touched:
             self._touch(q)
-        offset = q.next_offset
-        message.offset = offset
-        body = message.body
-        key = q.mpre + (digest(body) if self.keyed_by_body else U64.pack(offset))
-        value = message_record(WAITING, message)
-        if self.keyed_by_body:
-            try:
-                q.mdb.put(key, value, txn, db.DB_NOOVERWRITE)
-            except db.DBKeyExistError:
-                return False
-        else:
-            q.mdb.put(key, value, txn)
+        offset = message.offset
         q.next_offset = offset + 1
         q.items += 1
-        q.bytes += len(body)
+        q.bytes += len(message.body)
         q.changed = self.now
-        if q.indexed:
-            self._count_body(txn, q, body, 1)
         if self.keyed_by_body:
+            key = q.mpre + digest(message.body)
             self._rewind(q, key, offset)
             q.head_added(key, message.created)
         elif q.items == 1:  # an offset-keyed append sorts after the head and the hint
-            q.head_key, q.head_created, q.head_dirty = key, message.created, False
+            q.head_key, q.head_created, q.head_dirty = (
+                q.mpre + U64.pack(offset),
+                message.created,
+                False,
+            )
+
+    def _write_waiting(self, txn: Any, q: QueueState, message: Message) -> bool:
+        """Write the record of `message`, waiting; False if keyed by body and that is there."""
+        body = message.body
+        value = message_record(WAITING, message)
+        if self.keyed_by_body:
+            try:
+                q.mdb.put(q.mpre + digest(body), value, txn, db.DB_NOOVERWRITE)
+            except db.DBKeyExistError:
+                return False
+        else:
+            q.mdb.put(q.mpre + U64.pack(message.offset), value, txn)
+        if q.indexed:
+            self._count_body(txn, q, body, 1)
         return True
 
     def _records(self, txn: Any, q: QueueState) -> Iterator[tuple[bytes, bytes]]:
@@ -138,10 +152,7 @@ class Operations(Store):
 
     def _deleted(self, txn: Any, q: QueueState, key: bytes, body: bytes) -> None:
         """The message record at `key` was removed: count it out."""
-        q.items -= 1
-        q.bytes -= len(body)
-        if q.head_key is None or key == q.head_key:
-            q.head_dirty = True  # looked up at the end of the batch
+        q.removed(key, len(body))
         if q.indexed:
             self._count_body(txn, q, body, -1)
 

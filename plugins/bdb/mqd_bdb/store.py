@@ -124,10 +124,9 @@ class Store(Catalog):
         touched = self._begin()
         self.now = time.time()
         next_qid = self.next_qid
-        ops = self._ops
         txn = self.env.txn_begin()
         try:
-            values = [ops[job[0]](txn, job[1], job[2]) for job in segment]
+            values = self._run(txn, segment)
             if touched or self.next_qid != next_qid:
                 self._write_meta(txn, next_qid)
             txn.commit()
@@ -140,6 +139,11 @@ class Store(Catalog):
             raise
         self._committed(published)
         return values
+
+    def _run(self, txn: Any, segment: list[jobs.Job]) -> list[Any]:
+        """The value of each job of `segment`, run in order in `txn`."""
+        ops = self._ops
+        return [ops[job[0]](txn, job[1], job[2]) for job in segment]
 
     def trim(self) -> None:
         """Between batches: give back resources held beyond the configured limits."""

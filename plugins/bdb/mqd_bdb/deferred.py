@@ -1,0 +1,120 @@
+"""Puts taken in the same batch are never written: deferred puts, FIFO layouts.
+
+A queue whose consumers keep up is near empty: most messages are put and
+taken within one batch. Here a plain put (not unique, the queue unbounded,
+no fanout copies) gets its offset and is counted in at once, like any put,
+but its record is written only when something needs it on disk. A take of a
+queue with no waiting message on disk takes the oldest deferred put instead;
+such a pair writes nothing but the queue's catalog record, which the batch
+writes anyway (its next offset moved). As no older message waits, FIFO
+order is what running the jobs one by one gives, and so are the offsets, the
+counts and the gauges.
+
+Any other job on a queue first writes the queue's deferred puts (a job that
+may reach other queues writes them all); the end of the batch writes every
+one left, before the catalog records and the commit. A transaction that
+aborts takes its deferred puts with it: the retry runs the jobs afresh.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from mqd.backend import Limits, Message, Put
+from mqd_bdb import jobs
+from mqd_bdb.catalog import QueueState
+from mqd_bdb.index import BodyIndex
+from mqd_bdb.operations import ChildLimits
+from mqd_bdb.records import U64
+
+#: Jobs that may change or read queues other than the one they name.
+ANY_QUEUE = frozenset({jobs.RELEASE, jobs.RECLAIM, jobs.LEASES, jobs.REDRIVE})
+
+#: A queue's deferred puts, oldest first.
+Deferred = tuple[QueueState, deque[Message]]
+
+
+class DeferredPuts(BodyIndex):
+    """Runs a batch's jobs, deferring plain puts and pairing takes with them."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._deferred: dict[str, Deferred] = {}  # by queue name, in the running batch
+
+    def _run(self, txn: Any, segment: list[jobs.Job]) -> list[Any]:
+        # What an aborted transaction deferred went with it: start afresh.
+        deferred = self._deferred = {}
+        ops = self._ops
+        values: list[Any] = []
+        for op, name, arg, _, _ in segment:
+            if deferred and op != jobs.PUT and op != jobs.TAKE:
+                self._write_deferred(txn, None if op in ANY_QUEUE else name)
+            values.append(ops[op](txn, name, arg))
+        if deferred:
+            self._write_deferred(txn, None)
+        return values
+
+    def put(
+        self, txn: Any, name: str, arg: tuple[Message, bool, Limits, ChildLimits | None]
+    ) -> Put:
+        message, unique, limits, children = arg
+        if not unique and not limits and (children is None or name not in self.children):
+            return self._defer(name, message)
+        # A fanout parent's copies go through put() again, each child for itself.
+        self._write_deferred(txn, name)
+        return super().put(txn, name, arg)
+
+    def take(self, txn: Any, name: str, arg: None) -> Message | None:
+        pair = self._deferred.get(name)
+        if pair is None or pair[0].items - pair[0].open > len(pair[1]):
+            return super().take(txn, name, arg)  # what waits on disk is older
+        return self._take_deferred(name)
+
+    def _defer(self, name: str, message: Message) -> Put:
+        q = self.queues.get(name)
+        if q is None:
+            q = self._create(name)
+        elif q.mdb is None:
+            self._attach(q)
+        message.offset = q.next_offset
+        self._counted_in(q, message)
+        pair = self._deferred.get(name)
+        if pair is None:
+            self._deferred[name] = (q, deque((message,)))
+        else:
+            pair[1].append(message)
+        return Put.STORED
+
+    def _take_deferred(self, name: str) -> Message:
+        """Nothing waits on disk: hand out the oldest deferred put, never written."""
+        q, waiting = self._deferred[name]
+        put = waiting.popleft()
+        if not waiting:
+            del self._deferred[name]
+        offset = put.offset
+        q.removed(q.mpre + U64.pack(offset), len(put.body))
+        q.hint = offset + 1  # as after any take: no waiting message sorts before
+        # A copy, as a take reads one from its record: the put's caller holds `put`.
+        return Message(
+            put.body,
+            put.flags,
+            put.expires,
+            put.created,
+            offset,
+            put.deliveries + 1,
+            origin=put.origin,
+        )
+
+    def _write_deferred(self, txn: Any, name: str | None) -> None:
+        """Write the deferred puts of queue `name` (None: of every queue), in order."""
+        deferred = self._deferred
+        if name is None:
+            pairs = list(deferred.values())
+            deferred.clear()
+        else:
+            pair = deferred.pop(name, None)
+            pairs = [] if pair is None else [pair]
+        for q, waiting in pairs:
+            for message in waiting:
+                self._write_waiting(txn, q, message)
