@@ -92,6 +92,7 @@ class DeferredPuts(BodyIndex):
         put = waiting.popleft()
         if not waiting:
             del self._deferred[name]
+        self.paired += 1
         offset = put.offset
         q.removed(q.mpre + U64.pack(offset), len(put.body))
         q.hint = offset + 1  # as after any take: no waiting message sorts before

@@ -45,6 +45,7 @@ class Store(Catalog):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self._compacted = self._checkpointed = 0.0
+        self.paired = 0  # puts a take handed out in their own batch, never written (for tests)
         self._ops: dict[int, Callable[[Any, str, Any], Any]] = {
             op: getattr(self, method)
             for op, method in jobs.METHODS.items()
