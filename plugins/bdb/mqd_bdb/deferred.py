@@ -47,9 +47,17 @@ class DeferredPuts(BodyIndex):
         deferred = self._deferred = {}
         ops = self._ops
         values: list[Any] = []
+        put, take = jobs.PUT, jobs.TAKE
         for op, name, arg, _, _ in segment:
-            if deferred and op != jobs.PUT and op != jobs.TAKE:
-                self._write_deferred(txn, None if op in ANY_QUEUE else name)
+            if deferred and op != put:
+                if op == take:
+                    pair = deferred.get(name)
+                    # Whatever waits on disk is older than every deferred put.
+                    if pair is not None and pair[0].items - pair[0].open == len(pair[1]):
+                        values.append(self._take_deferred(name))
+                        continue
+                else:
+                    self._write_deferred(txn, None if op in ANY_QUEUE else name)
             values.append(ops[op](txn, name, arg))
         if deferred:
             self._write_deferred(txn, None)
@@ -59,19 +67,11 @@ class DeferredPuts(BodyIndex):
         self, txn: Any, name: str, arg: tuple[Message, bool, Limits, ChildLimits | None]
     ) -> Put:
         message, unique, limits, children = arg
-        if not unique and not limits and (children is None or name not in self.children):
-            return self._defer(name, message)
-        # A fanout parent's copies go through put() again, each child for itself.
-        self._write_deferred(txn, name)
-        return super().put(txn, name, arg)
-
-    def take(self, txn: Any, name: str, arg: None) -> Message | None:
-        pair = self._deferred.get(name)
-        if pair is None or pair[0].items - pair[0].open > len(pair[1]):
-            return super().take(txn, name, arg)  # what waits on disk is older
-        return self._take_deferred(name)
-
-    def _defer(self, name: str, message: Message) -> Put:
+        bounded = limits.max_items or limits.max_bytes
+        if unique or bounded or (children is not None and name in self.children):
+            # A fanout parent's copies go through put() again, each child for itself.
+            self._write_deferred(txn, name)
+            return super().put(txn, name, arg)
         q = self.queues.get(name)
         if q is None:
             q = self._create(name)

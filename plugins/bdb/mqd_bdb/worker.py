@@ -279,11 +279,13 @@ class Worker:
 
     def _close(self, stop: jobs.Job) -> None:
         log.debug(
-            "Berkeley DB worker: %d jobs in %d batches, %d log syncs of %.0f us",
+            "Berkeley DB worker: %d jobs in %d batches, %d log syncs of %.0f us, "
+            "%d puts taken in their own batch",
             self.jobs,
             self.batches,
             self.flushes,
             self._sync_s * 1e6,
+            self.store.paired,
         )
         with self._keeper_cond:
             self._keeper_stop = True
