@@ -16,7 +16,7 @@ import pytest
 from bdb_helpers import ALWAYS, FIFO_NAMES, drain, put, session
 from mqd_bdb.backend import _BdbBackend
 
-from mqd.backend import Message, Put
+from mqd.backend import Limits, Message, Put
 
 Call = Callable[[_BdbBackend], Awaitable[Any]]
 
@@ -223,5 +223,46 @@ def test_deferred_put_read_in_its_own_batch(name: str, tmp_path: Path) -> None:
     async def after(b: _BdbBackend) -> None:
         assert await b.contains("q", b"four") and not await b.contains("q", b"two")
         assert [(m.body, m.offset) for m in await drain(b, "q")] == [(b"four", 3)]
+
+    session(name, tmp_path, after)
+
+
+@pytest.mark.parametrize("name", FIFO_NAMES)
+def test_fanout_copies_taken_in_their_batch(name: str, tmp_path: Path) -> None:
+    """A parent's put is written; its children's copies pair like plain puts."""
+
+    def limits(child: str) -> Limits:
+        return Limits(max_items=1) if child == "p+one" else Limits()
+
+    def fan(body: bytes) -> Call:
+        async def call(b: _BdbBackend) -> Any:
+            return (await b.put("p", Message(body), sync=ALWAYS, fanout=limits)).name
+
+        return call
+
+    async def body(b: _BdbBackend) -> None:
+        for child in ("p+all", "p+one"):
+            assert await b.create(child, sync=ALWAYS) is True
+        calls = [fan(b"m0"), _take("p+all"), fan(b"m1"), _take("p+one"), fan(b"m2")]
+        assert await in_one_batch(b, calls) == [
+            "STORED",
+            (b"m0", 0, 0, 0.0, 1),
+            "STORED",
+            (b"m0", 0, 0, 0.0, 1),
+            "STORED",
+        ]
+        assert b.worker.store.paired == 1  # p+one's copy was bounded: written, then taken
+        sizes = [await b.size(q) for q in ("p", "p+all", "p+one")]
+        assert [s.items if s else None for s in sizes] == [3, 2, 1]
+
+    session(name, tmp_path, body)
+
+    async def after(b: _BdbBackend) -> None:
+        got = {q: [(m.body, m.offset) for m in await drain(b, q)] for q in await b.queues()}
+        assert got == {
+            "p": [(b"m0", 0), (b"m1", 1), (b"m2", 2)],
+            "p+all": [(b"m1", 1), (b"m2", 2)],
+            "p+one": [(b"m2", 1)],  # m1 found it full
+        }
 
     session(name, tmp_path, after)
