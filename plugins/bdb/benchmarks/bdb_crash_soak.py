@@ -14,7 +14,7 @@ three or none.
 
 Usage: python plugins/bdb/benchmarks/bdb_crash_soak.py [--cycles 50]
        [--backend bdb] [--producers 4] [--consumers 4] [--seed N] [--keep]
-       [--fanout]
+       [--fanout] [--plain-share 0.5]
 """
 
 from __future__ import annotations
@@ -42,6 +42,13 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--fanout", action="store_true", help="a parent and two children")
+    parser.add_argument(
+        "--plain-share",
+        type=float,
+        default=Soak.plain_share,
+        help="share of reads that are plain gets, the rest /open then /close (1: a queue "
+        "read by plain gets only, whose puts are often taken in their own batch)",
+    )
     args = parser.parse_args()
     failed = False
     for backend in args.backend or BACKENDS:
@@ -61,6 +68,7 @@ def main() -> int:
             )
         else:
             soak = Soak(workdir, backend, args.producers, args.consumers, args.seed)
+            soak.plain_share = args.plain_share
             books = soak.run(args.cycles, args.min_s, args.max_s)
             problems = books.check()
             print(
