@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from mqd import __version__, protocol
-from mqd.backend import PUT_STORED, Message, Put
+from mqd.backend import PUT_STORED, Put
 from mqd.broker import Session
 from mqd.eager import Together, finish
 from mqd.errors import ProtocolError, ServerError, StorageError, UnknownCommand
@@ -261,7 +261,11 @@ class Connection(asyncio.Protocol):
                     except Exception as error:
                         reply = self._failure(command, error)
                     else:
-                        reply = _value_reply(key, message)
+                        reply = (
+                            END
+                            if message is None
+                            else protocol.single_value(key.raw, message.flags, message.body)
+                        )
                 else:
                     reply = await self._execute(command)
                 if reply:  # as _emit does, inline on the hot path
@@ -344,17 +348,14 @@ class Connection(asyncio.Protocol):
             for command in commands:
                 group.start(self._execute(command))
         else:
-            # Straight to the broker: two coroutines fewer per command than
-            # _execute and retrieve, which matters when each one waits.
+            # Straight to the broker: a coroutine fewer per command than
+            # _execute, which matters when each one waits.
             broker = self.broker
             for command in commands:
                 if isinstance(command, Store):
                     group.start(broker.store(command))
                 elif isinstance(command, Retrieve):
-                    if command.keys[0].plain:
-                        group.start(broker.take(command.keys[0].queue))
-                    else:
-                        group.start(broker.retrieve(command, self.session))
+                    group.start(broker.retrieve(command, self.session))
         if not group.waited:
             self.server.overlap = False
         results = await group.wait()
@@ -367,10 +368,8 @@ class Connection(asyncio.Protocol):
                 reply = result
             elif isinstance(command, Store):
                 reply = _store_reply(command, result)
-            elif type(result) is list:
-                reply = protocol.values_reply(result, command.with_ids)  # type: ignore[union-attr]
             else:
-                reply = _taken_reply(command, result)  # type: ignore[arg-type]
+                reply = protocol.values_reply(result, command.with_ids)  # type: ignore[union-attr]
             if reply:
                 self._emit(reply)
 
@@ -507,19 +506,6 @@ def _closes_only(key: protocol.Key) -> bool:
         and key.at is None
         and key.wait_ms is None
     )
-
-
-def _value_reply(key: protocol.Key, message: Message | None) -> bytes:
-    """The reply to a plain `get` of one key."""
-    return END if message is None else protocol.single_value(key.raw, message.flags, message.body)
-
-
-def _taken_reply(command: Retrieve, message: Message | None) -> bytes:
-    """The reply to a `get` or `gets` of one plain key, which took `message`."""
-    key = command.keys[0]
-    if command.with_ids:
-        return protocol.values_reply([(key, message)] if message is not None else [], True)
-    return _value_reply(key, message)
 
 
 def _store_reply(command: Store, stored: Put) -> bytes | None:
