@@ -314,6 +314,27 @@ class Backend(abc.ABC):
         """The message at `offset`, waiting or open, left in place (Capability.OFFSET)."""
         raise NotImplementedError("Backend.read_at")
 
+    async def read_range(
+        self, queue: str, first: int, count: int, max_bytes: int = 0
+    ) -> list[Message]:
+        """The messages at offsets first..first+count-1, waiting or open, in offset order,
+        left in place (Capability.OFFSET).
+
+        With `max_bytes`, the list ends with the message that brings its bodies
+        to `max_bytes` or more. This default reads each offset in turn; a
+        backend that can read a range at once overrides it.
+        """
+        found: list[Message] = []
+        size = 0
+        for offset in range(first, first + count):
+            message = await self.read_at(queue, offset)
+            if message is not None:
+                found.append(message)
+                size += len(message.body)
+                if max_bytes and size >= max_bytes:
+                    break
+        return found
+
     async def contains(self, queue: str, body: bytes) -> bool:
         """Whether a message with this body is in the queue, waiting or open (UNIQUE)."""
         raise NotImplementedError("Backend.contains")

@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 IDLE_SWEEP = 1.0  # seconds between looks for idle queues to expire
 QUEUE_STATES = 65536  # queues whose state is kept when idle (names are client-chosen)
 THIRTY_DAYS = 60 * 60 * 24 * 30  # memcached: larger exptimes are absolute Unix times
-LEASE_BYTES = 64 << 20  # bodies a named lease reserves at most (beyond its first message)
+# Bodies a named lease reserves, or a range read returns, at most (a message more).
+LEASE_BYTES = 64 << 20
 RESERVE_BATCH = 256  # reserve() calls of a named lease started together, at most
 # A named lease's messages are kept in the store for a quarter more than the
 # visibility timeout, and their store deadlines renewed only when a quarter of
@@ -291,8 +292,10 @@ class Broker:
             # `get <queue>`: what most consumers send, without the general machinery.
             message = await self.take(keys[0].queue)
             return [] if message is None else [(keys[0], message)]
-        if keys[0].lease is not None:  # the parser lets a lease's key stand alone
-            return await self._lease_retrieve(keys[0], session)
+        if keys[0].alone:  # the parser lets a lease's or a range's key stand alone
+            if keys[0].lease is not None:
+                return await self._lease_retrieve(keys[0], session)
+            return await self._read_range(keys[0])
         self._check_keys(keys, session)
         self.counters.cmd_get += len(keys)
         loop = asyncio.get_running_loop()
@@ -416,6 +419,20 @@ class Broker:
             else:
                 counters.get_hits += 1
         return message
+
+    async def _read_range(self, key: Key) -> Hits:
+        """`gets <queue>/at=<id>/n=<count>`: the messages at ids id..id+count-1, left in place."""
+        assert key.at is not None
+        if Capability.OFFSET not in self.backend.capabilities:
+            raise NotSupported("at", self.backend.name)
+        self.counters.cmd_get += 1
+        found = await self.backend.read_range(key.queue, key.at, key.count, LEASE_BYTES)
+        hits = [(key, message) for message in found if not _expired(message)]
+        if hits:
+            self.counters.get_hits += 1
+        else:
+            self.counters.get_misses += 1
+        return hits
 
     async def _peek(self, queue: str) -> Message | None:
         state = self.state(queue)

@@ -26,7 +26,7 @@ MAX_GET_LINE = 65536  # ... except get/gets, which may carry many keys
 MAX_GET_KEYS = 8192  # keys in one get or gets
 MAX_BYTES_FIELD = 2**31 - 1  # memcached parses <bytes> as a signed 32-bit number
 MAX_FLAGS = 2**32 - 1
-MAX_LEASE_COUNT = 100_000  # messages one named lease holds at most (`/n=`)
+MAX_LEASE_COUNT = 100_000  # messages one named lease holds, or one range read covers (`/n=`)
 
 REPLY = {
     "stored": b"STORED\r\n",
@@ -93,7 +93,12 @@ class Key:
     at: int | None = None
     plain: bool = False  # no options at all: the common case, the broker's fast path
     lease: str | None = None  # `/lease=<name>`: with `count`, reserve; with `abort`, give back
-    count: int = 0  # `/n=<count>`: how many messages the lease should hold
+    count: int = 0  # `/n=<count>`: how many messages the lease should hold, or ids from `at`
+
+    @property
+    def alone(self) -> bool:
+        """A key whose reply is many values (a lease, a range read): it stands alone."""
+        return self.lease is not None or self.count > 0
 
 
 @dataclass(slots=True)
@@ -237,11 +242,13 @@ _CLASHES = (
     {"abort", "close"},
     {"abort", "open"},
 )
-# The option sets a key naming a lease may have: reserve (and wait), or give back.
-_LEASE_FORMS = (
+# The option sets of keys whose reply is many values: a lease's reserve (and
+# wait) or give-back, and a range read by id.
+_MANY_FORMS = (
     {"lease", "count"},
     {"lease", "count", "wait_ms"},
     {"lease", "abort"},
+    {"at", "count"},
 )
 
 
@@ -283,9 +290,9 @@ def parse_key(raw: bytes) -> Key | None:
         if key in seen:
             return None
         seen.add(key)
-    if "at" in seen and len(seen) > 1:
+    if ("lease" in seen or "count" in seen) and seen not in _MANY_FORMS:
         return None
-    if ("lease" in seen or "count" in seen) and seen not in _LEASE_FORMS:
+    if "at" in seen and len(seen) > 1 and "count" not in seen:
         return None
     if any(clash <= seen for clash in _CLASHES):
         return None
@@ -538,8 +545,8 @@ class Parser:
             if key is None:
                 return _bad()
             keys.append(key)
-        if len(keys) > 1 and any(key.lease is not None for key in keys):
-            return _bad()  # a lease's reply is many values of one key: it stands alone
+        if len(keys) > 1 and any(key.alone for key in keys):
+            return _bad()  # a lease's or a range's reply is many values of one key
         return Retrieve(keys, tokens[0] == b"gets")
 
     def _delete(self, tokens: list[bytes]) -> Command:

@@ -380,6 +380,27 @@ class MemoryBackend(Backend):
             return None
         return q.by_offset().get(offset)
 
+    async def read_range(
+        self, queue: str, first: int, count: int, max_bytes: int = 0
+    ) -> list[Message]:
+        q = self._queues.get(queue)
+        if q is None:
+            return []
+        get = q.by_offset().get
+        # Offsets at and past next_offset hold nothing yet: not looked up.
+        offsets = range(max(first, 0), min(first + count, q.next_offset))
+        if not max_bytes:
+            return [m for m in map(get, offsets) if m is not None]
+        found: list[Message] = []
+        size = 0
+        for message in map(get, offsets):
+            if message is not None:
+                found.append(message)
+                size += len(message.body)
+                if size >= max_bytes:
+                    break
+        return found
+
     async def contains(self, queue: str, body: bytes) -> bool:
         q = self._queues.get(queue)
         return q is not None and body in q.index()

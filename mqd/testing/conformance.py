@@ -282,6 +282,13 @@ class BackendConformance:
             offsets = [await self.put(b, "q", f"m{i}".encode()) for i in range(5)]
             m = await b.read_at("q", offsets[3] or 0)
             assert m is not None and m.body == b"m3"
+            first = offsets[0] or 0
+            span = await b.read_range("q", first + 1, 2)
+            assert [(m.offset, m.body) for m in span] == [(first + 1, b"m1"), (first + 2, b"m2")]
+            capped = await b.read_range("q", first, 5, max_bytes=3)  # 2 bytes each: stop at 4
+            assert [m.body for m in capped] == [b"m0", b"m1"]
+            assert await b.read_range("q", first + 5, 100) == []
+            assert await b.read_range("nope", 0, 100) == []
             assert await b.read_at("q", 99) is None
             r = await self.reserve(b, "q")
             still = await b.read_at("q", r.offset)
@@ -311,6 +318,10 @@ class BackendConformance:
                     m = await b.read_at("q", offset)
                     if m is not None:
                         found[offset] = m.body
+                # A range read over them all sees the same, in offset order.
+                low = min(offsets)
+                span = await b.read_range("q", low, max(offsets) - low + 1)
+                assert [(m.offset, m.body) for m in span] == sorted(found.items())
                 return found
 
             assert await present() == expect

@@ -227,6 +227,47 @@ def test_peek_at_abort(raw: Raw, q: str) -> None:
     raw.call(b"get %b\r\n" % k, b"END\r\n")
 
 
+def test_range_read(raw: Raw, q: str) -> None:
+    """`gets <q>/at=<id>/n=<count>`: what is still there of ids id..id+count-1, in order."""
+    k = q.encode()
+    for body in (b"a", b"b", b"c", b"d", b"e"):
+        store(raw, q, body)
+    raw.call(b"set %b 0 1 4\r\ngone\r\n" % k, b"STORED\r\n")  # id 5, expires in 1 s
+    raw.call(b"get %b\r\n" % k, value(q, b"a") + b"END\r\n")  # id 0 leaves
+    raw.call(b"get %b/open\r\n" % k, value(q + "/open", b"b") + b"END\r\n")  # id 1 is open
+    key = f"{q}/at=0/n=4"
+
+    def ids(*pairs: tuple[int, bytes]) -> bytes:
+        return b"".join(b"VALUE %b 0 1 %d\r\n%b\r\n" % (key.encode(), i, body) for i, body in pairs)
+
+    raw.call(b"gets %b\r\n" % key.encode(), ids((1, b"b"), (2, b"c"), (3, b"d")) + b"END\r\n")
+    plain = b"".join(value(key, body) for body in (b"b", b"c", b"d"))
+    raw.call(b"get %b\r\n" % key.encode(), plain + b"END\r\n")
+    raw.call(b"gets %b/at=50/n=3\r\n" % k, b"END\r\n")
+    raw.call(b"gets nosuch%b/at=0/n=3\r\n" % k, b"END\r\n")
+    time.sleep(1.2)
+    tail = f"{q}/at=4/n=100000".encode()
+    raw.call(b"gets %b\r\n" % tail, b"VALUE %b 0 1 4\r\ne\r\nEND\r\n" % tail)
+    raw.call(b"get %b\r\n" % k, value(q, b"c") + b"END\r\n")  # nothing was removed
+    for bad in (b"/n=3", b"/at=0/n=0", b"/at=0/n=100001", b"/at=0/n=2/peek", b"/at=0/n=2/t=5"):
+        raw.call(b"gets %b%b\r\n" % (k, bad), b"CLIENT_ERROR bad command line format\r\n")
+    raw.call(b"gets %b/at=0/n=2 %b\r\n" % (k, k), b"CLIENT_ERROR bad command line format\r\n")
+
+
+def test_range_read_stops_past_64_mib(raw: Raw, q: str) -> None:
+    """A range's reply ends with the message that brings its bodies to 64 MiB."""
+    body = b"x" * (1 << 20)
+    for _ in range(66):
+        store(raw, q, body)
+    key = f"{q}/at=0/n=66".encode()
+    expect = b"".join(b"VALUE %b 0 %d %d\r\n%b\r\n" % (key, len(body), i, body) for i in range(64))
+    raw.send(b"gets %b\r\n" % key)
+    reply = bytearray()  # read here: Raw's buffer is built for short replies
+    while len(reply) < len(expect) + 5:
+        reply += raw.sock.recv(1 << 20)
+    assert reply == expect + b"END\r\n"
+
+
 def test_waiting_get_is_woken_by_set(daemon: Daemon, q: str) -> None:
     consumer, producer = connect(daemon), connect(daemon)
     k = q.encode()

@@ -107,6 +107,24 @@ def test_lease_options() -> None:
         assert parse_key(bad) is None, bad
 
 
+def test_range_options() -> None:
+    raw = b"jobs/at=7/n=100000"
+    assert parse_key(raw) == Key(raw, "jobs", at=7, count=100000)
+    assert parse_key(b"jobs/n=2/at=0") == Key(b"jobs/n=2/at=0", "jobs", at=0, count=2)
+    for bad in (
+        b"jobs/at=1/n=0",
+        b"jobs/at=1/n=100001",
+        b"jobs/at=1/n=2/peek",
+        b"jobs/at=1/n=2/open",
+        b"jobs/at=1/n=2/t=5",
+        b"jobs/at=1/n=2/abort",
+        b"jobs/at=1/at=2/n=2",
+        b"jobs/n=2/t=5",
+        b"jobs/n=2/peek",
+    ):
+        assert parse_key(bad) is None, bad
+
+
 @pytest.mark.parametrize(
     ("line", "expected"),
     [

@@ -262,28 +262,36 @@ class _BdbBackend(Backend):
         return dict(self._sizes)
 
 
-class BdbBackend(_BdbBackend):
+class _FifoBdbBackend(_BdbBackend):
+    """The layouts that keep messages keyed by offset: reads by offset and by range."""
+
+    capabilities = frozenset({Capability.UNIQUE, Capability.OFFSET, Capability.FIFO})
+
+    async def read_at(self, queue: str, offset: int) -> Message | None:
+        result: Message | None = await self._call(jobs.READ_AT, queue, offset, None)
+        return result
+
+    async def read_range(
+        self, queue: str, first: int, count: int, max_bytes: int = 0
+    ) -> list[Message]:
+        result: list[Message] = await self._call(
+            jobs.READ_RANGE, queue, (first, count, max_bytes), None
+        )
+        return result
+
+
+class BdbBackend(_FifoBdbBackend):
     """Per queue, a B-tree file of messages in order and a Hash file of body digests."""
 
     name = "bdb"
-    capabilities = frozenset({Capability.UNIQUE, Capability.OFFSET, Capability.FIFO})
     layout = ("per_queue", "PerQueueStore")
 
-    async def read_at(self, queue: str, offset: int) -> Message | None:
-        result: Message | None = await self._call(jobs.READ_AT, queue, offset, None)
-        return result
 
-
-class BdbSingleBackend(_BdbBackend):
+class BdbSingleBackend(_FifoBdbBackend):
     """Every queue in one B-tree file keyed by (queue, offset): one file descriptor."""
 
     name = "bdb-single"
-    capabilities = frozenset({Capability.UNIQUE, Capability.OFFSET, Capability.FIFO})
     layout = ("single", "SingleStore")
-
-    async def read_at(self, queue: str, offset: int) -> Message | None:
-        result: Message | None = await self._call(jobs.READ_AT, queue, offset, None)
-        return result
 
 
 class BdbRandomBackend(_BdbBackend):

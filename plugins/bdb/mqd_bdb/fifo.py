@@ -78,3 +78,25 @@ class FifoStore(DeferredPuts):
             return None
         value = q.mdb.get(q.mpre + U64.pack(offset), None, txn)
         return None if value is None else read_message(value)
+
+    def read_range(self, txn: Any, name: str, arg: tuple[int, int, int]) -> list[Message]:
+        first, count, max_bytes = arg
+        q = self._find(name)
+        if q is None:
+            return []
+        prefix, end = q.mpre, q.mpre + U64.pack(first + count)
+        found: list[Message] = []
+        size = 0
+        cur = q.mdb.cursor(txn)
+        try:
+            rec = cur.set_range(prefix + U64.pack(max(first, 0)))
+            while rec is not None and rec[0] < end and rec[0].startswith(prefix):
+                message = read_message(rec[1])
+                found.append(message)
+                size += len(message.body)
+                if max_bytes and size >= max_bytes:
+                    break
+                rec = cur.next()
+        finally:
+            cur.close()
+        return found

@@ -26,6 +26,7 @@ RESTORE = 14  # message: give back a taken message whose caller went away
 CREATE = 15  # None -> bool
 REDRIVE = 16  # (to or None, limit) -> {queue: how many moved there}
 EXPIRE_IDLE = 17  # before (Unix time) -> bool
+READ_RANGE = 18  # (first offset, count, max bytes) -> [Message]
 
 #: The Store method that runs each operation.
 METHODS = {
@@ -47,6 +48,7 @@ METHODS = {
     CREATE: "create",
     REDRIVE: "redrive",
     EXPIRE_IDLE: "expire_idle",
+    READ_RANGE: "read_range",
 }
 
 #: (operation, queue name, argument, sync or None for reads, future or None).

@@ -49,7 +49,7 @@ class Store(Catalog):
         self._ops: dict[int, Callable[[Any, str, Any], Any]] = {
             op: getattr(self, method)
             for op, method in jobs.METHODS.items()
-            if hasattr(self, method)  # read_at: the FIFO layouts only
+            if hasattr(self, method)  # read_at, read_range: the FIFO layouts only
         }
 
     def execute(

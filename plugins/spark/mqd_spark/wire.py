@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import re
 import socket
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple, TypeVar
 
 Address = tuple[str, int]
 
-# A `get` line may be up to 64 KiB and name up to 8192 keys; stay below both.
-MAX_GET_LINE = 60_000
-MAX_GET_KEYS = 8_000
+# The daemon ends a range read's reply once its bodies reach this many bytes.
+RANGE_BYTES = 64 << 20
 # Storage commands per pipelined block: two blocks' replies (8 bytes each)
 # stay far below what the daemon holds for a client that is still sending.
 STORE_BATCH = 5_000
@@ -190,31 +190,27 @@ class Connection:
         return message.id if message else None
 
     def read_ids(self, queue: str, first: int, last: int, rows: int = 8192) -> Iterator[Columns]:
-        """The messages with ids first..last still in the queue, in id order, in chunks.
+        """The messages with ids first..last still in the queue, in chunks of up to `rows`.
 
-        Nothing is removed: reading twice gives the same messages.
+        Range reads (`gets <q>/at=<id>/n=<count>`), pipelined; nothing is
+        removed, so reading twice gives the same messages. They come in id
+        order, except that the rest of a range whose reply the daemon cut at
+        RANGE_BYTES comes one chunk later.
         """
         name = queue.encode()
-        per_line = max(1, min(MAX_GET_KEYS, MAX_GET_LINE // (len(name) + 16)))
-        lines = (
-            (
-                b"gets "
-                + b" ".join(
-                    b"%b/at=%d" % (name, i) for i in range(start, min(last + 1, start + per_line))
-                )
-                + b"\r\n",
-                None,
-            )
-            for start in range(first, last + 1, per_line)
-        )
-        out = Columns([], [], [])
-        for got in self._pipeline(lines, self._reply):
-            out.extend(got)
-            if len(out.ids) >= rows:  # chunks of about `rows` messages
-                yield out
-                out = Columns([], [], [])
-        if out.ids:
-            yield out
+        ranges = deque((lo, min(last, lo + rows - 1)) for lo in range(first, last + 1, rows))
+
+        def requests() -> Iterator[tuple[bytes, int]]:
+            while ranges:
+                lo, hi = ranges.popleft()
+                yield b"gets %b/at=%d/n=%d\r\n" % (name, lo, hi - lo + 1), hi
+
+        while ranges:  # again for the rests of cut replies, met after the last was sent
+            for got, hi in self._pipeline(requests(), lambda hi: (self._reply(), hi)):
+                if got.ids and got.ids[-1] < hi and sum(map(len, got.bodies)) >= RANGE_BYTES:
+                    ranges.appendleft((got.ids[-1] + 1, hi))
+                if got.ids:
+                    yield got
 
     # -- named leases (docs/protocol.md, "Named leases") ------------------------
 

@@ -54,6 +54,20 @@ def test_awkward_bodies_round_trip_in_order(memory_mqd: Daemon, q: str) -> None:
     assert take_all(memory_mqd, q) == AWKWARD  # reading by id removed nothing
 
 
+def test_read_ids_go_on_past_a_cut_reply(memory_mqd: Daemon, q: str) -> None:
+    """A range's reply ends past 64 MiB of bodies: the rest is asked for, and comes."""
+    bodies = [b"%02d" % i + b"x" * ((1 << 20) - 2) for i in range(66)]  # 1 MiB each
+    batch = pa.RecordBatch.from_pydict({"body": pa.array(bodies, pa.binary())})
+    assert store(memory_mqd, batch, spec(q)) == (66, 0)
+    with closing(Connection(memory_mqd.address)) as conn:
+        head = conn.head(q)
+        assert head is not None
+        chunks = list(conn.read_ids(q, head, head + 65, rows=100))
+    assert [len(c.ids) for c in chunks] == [64, 2]
+    assert [i for c in chunks for i in c.ids] == list(range(head, head + 66))
+    assert [b for c in chunks for b in c.bodies] == bodies
+
+
 def test_row_columns_override_the_options(memory_mqd: Daemon, q: str) -> None:
     batch = pa.RecordBatch.from_pydict(
         {
