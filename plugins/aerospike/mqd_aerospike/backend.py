@@ -343,25 +343,48 @@ class AerospikeBackend(Backend):
         return None
 
     async def read_at(self, queue: str, offset: int) -> Message | None:
+        found = await self.read_range(queue, offset, 1)
+        return found[0] if found else None
+
+    async def read_range(
+        self, queue: str, first: int, count: int, max_bytes: int = 0
+    ) -> list[Message]:
+        # One batch read of the shards' metadata, then one of the entries each
+        # shard holds in the range: offset = local offset * shards + shard.
         shards = await self._shard_count(queue)
-        if shards is None or offset < 0:
-            return None
-        shard, local = offset % shards, offset // shards
-        metas = await self._blocking(self._store.read_metas, name_bytes(queue), [shard])
-        meta = metas.get(shard)
-        if meta is None:
-            return None
-        lease = meta.open.get(local)
-        if lease is None and not meta.is_waiting(local):
-            return None
-        entries = await self._blocking(self._store.read_entries, meta, [local])
-        if local not in entries:
-            return None
-        if lease is not None:
-            deliveries = int(lease[3])
-        else:
-            deliveries = int(meta.ret[local][0]) if local in meta.ret else -1
-        return message_of(entries[local], offset, deliveries)
+        if shards is None:
+            return []
+        offsets = range(max(first, 0), first + count)
+        touched = sorted({offset % shards for offset in offsets[:shards]})
+        metas = await self._blocking(self._store.read_metas, name_bytes(queue), touched)
+        wanted: dict[int, list[int]] = {}
+        for offset in offsets:
+            meta = metas.get(offset % shards)
+            local = offset // shards
+            if meta is not None and (local in meta.open or meta.is_waiting(local)):
+                wanted.setdefault(meta.shard, []).append(local)
+        found: list[Message] = []
+        for shard, locals_ in wanted.items():
+            meta = metas[shard]
+            assert meta is not None
+            entries = await self._blocking(self._store.read_entries, meta, locals_)
+            for local in locals_:
+                if local not in entries:
+                    continue
+                lease = meta.open.get(local)
+                if lease is not None:
+                    deliveries = int(lease[3])
+                else:
+                    deliveries = int(meta.ret[local][0]) if local in meta.ret else -1
+                found.append(message_of(entries[local], local * shards + shard, deliveries))
+        found.sort(key=_offset_of)
+        if max_bytes:
+            size = 0
+            for i, message in enumerate(found):
+                size += len(message.body)
+                if size >= max_bytes:
+                    return found[: i + 1]
+        return found
 
     # -- reclaim ---------------------------------------------------------------
 
@@ -513,3 +536,7 @@ class AerospikeBackend(Backend):
                             self._empty.pop((queue, shard), None)
                     self._wake(queue)
                 self._seen[queue] = generations
+
+
+def _offset_of(message: Message) -> int:
+    return message.offset

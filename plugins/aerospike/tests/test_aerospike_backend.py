@@ -101,7 +101,13 @@ def test_shards_give_unique_ids_and_fifo_within_each(aerospike_host: str, tmp_pa
         one = await b.take("jobs", sync=ALWAYS)
         assert one is not None
         assert await b.read_at("jobs", one.offset) is None  # taken: gone
+        # A range read gathers the ids of every shard, in id order.
+        span = await b.read_range("jobs", 0, 10_000)
+        offsets = [m.offset for m in span]
+        assert offsets == sorted(offsets) and len(span) == 7 and one.offset not in offsets
+        assert await b.read_range("jobs", 0, 10_000, max_bytes=1) == span[:1]
         rest = await drain(b, "jobs")
+        assert sorted(m.offset for m in rest) == offsets
         await fill(b, "jobs", 1)
         peeked = await b.peek("jobs")
         assert peeked is not None
