@@ -24,12 +24,13 @@ import abc
 import difflib
 import enum
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, cast
 
+from mqd.eager import Together
 from mqd.errors import BackendLoadError
 
 ENTRY_POINT_GROUP = "mqd.backends"
@@ -286,6 +287,73 @@ class Backend(abc.ABC):
         """Move the lease's deadline to `lease` seconds from now. False if it is gone."""
         raise NotImplementedError("Backend.extend")
 
+    # -- leases in bulk ------------------------------------------------------
+    #
+    # What a named lease does to many messages at once, as one call. Each has
+    # the effect of the single call once per message, in order, and a backend
+    # that commits in groups commits one call in one group (one sync for
+    # Sync.ALWAYS). The defaults below make the single calls; a backend
+    # overrides them when it can do many for less than many times one.
+
+    async def reserve_many(
+        self, queue: str, count: int, *, lease: float, sync: Sync, max_bytes: int = 0
+    ) -> list[Message]:
+        """Open up to `count` head waiting messages, one after another, as reserve() would.
+
+        Each comes back as reserve() returns it: its stored `deliveries`
+        raised by one and a `receipt` of its own, held by `self.owner` for
+        `lease` seconds (0: no deadline); in the order they were opened (id
+        order on a FIFO backend). Fewer than `count` when the queue has no
+        more waiting, or once the bodies opened by this call add up to
+        `max_bytes` or more (0: no bound): the message that reaches it is the
+        last, so one message is always opened if there is one. Expired
+        messages are opened like any other (what to do with them is the
+        caller's business). An unknown queue gives [] and is not created.
+
+        The default calls reserve() once per message, each after the last
+        returned, which is what makes the `max_bytes` stop exact.
+        """
+        opened: list[Message] = []
+        size = 0
+        while len(opened) < count and not (max_bytes and size >= max_bytes):
+            message = await self.reserve(queue, lease=lease, sync=sync)
+            if message is None:
+                break
+            opened.append(message)
+            size += len(message.body)
+        return opened
+
+    async def ack_many(self, receipts: Sequence[Receipt], *, sync: Sync) -> list[bool]:
+        """ack() each receipt, in order: for each, whether its message was removed.
+
+        False for a lease that is gone, as ack() answers. An error raised
+        leaves it unknown which of them took effect (a backend that commits
+        the call in one transaction applies all or none); each may be tried
+        again, and is False if it had.
+        """
+        return await _together([self.ack(r, sync=sync) for r in receipts])
+
+    async def release_many(
+        self, receipts: Sequence[Receipt], *, sync: Sync, to: Sequence[str | None] = ()
+    ) -> list[bool]:
+        """release() each receipt, in order, to the dead-letter queue `to[i]` (None: back).
+
+        An empty `to` returns every message to its queue. Each message waits
+        again ahead of every newer one (so a lease given back in id order
+        comes back in id order), or moves to its dead-letter queue as one
+        atomic step. For each, whether its lease was still held; an error
+        raised leaves it unknown which took effect, as with ack_many().
+        """
+        ends = to or [None] * len(receipts)
+        calls = [self.release(r, sync=sync, to=d) for r, d in zip(receipts, ends, strict=True)]
+        return await _together(calls)
+
+    async def extend_many(
+        self, receipts: Sequence[Receipt], *, lease: float, sync: Sync
+    ) -> list[bool]:
+        """extend() each receipt's lease to `lease` seconds from now: whether each is held."""
+        return await _together([self.extend(r, lease=lease, sync=sync) for r in receipts])
+
     @abc.abstractmethod
     async def reclaim(
         self, route: Route, *, sync: Sync, owner: str | None = None
@@ -421,6 +489,23 @@ class Backend(abc.ABC):
 
 def _ignore(queue: str) -> None:
     return None
+
+
+async def _together(calls: list[Coroutine[Any, Any, bool]]) -> list[bool]:
+    """Run `calls`, each started now and in order: their results, or the first error.
+
+    Started at once, a backend that groups work arriving together (a group
+    commit, a batch round trip) serves them in one group, as it would when
+    the caller made the single calls together.
+    """
+    group = Together()
+    for call in calls:
+        group.start(call)
+    results: list[bool | BaseException] = await group.wait()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return cast(list[bool], results)  # no errors among them: checked above
 
 
 def available() -> dict[str, metadata.EntryPoint]:

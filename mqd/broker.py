@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, TypeVar
 
 from mqd import protocol, stats
@@ -50,9 +51,13 @@ log = logging.getLogger(__name__)
 IDLE_SWEEP = 1.0  # seconds between looks for idle queues to expire
 QUEUE_STATES = 65536  # queues whose state is kept when idle (names are client-chosen)
 THIRTY_DAYS = 60 * 60 * 24 * 30  # memcached: larger exptimes are absolute Unix times
-# Bodies a named lease reserves, or a range read returns, at most (a message more).
+# Bodies a named lease reserves, or a range read returns, at most (and the
+# message that passes it).
 LEASE_BYTES = 64 << 20
-RESERVE_BATCH = 256  # reserve() calls of a named lease started together, at most
+# Messages a named lease asks the store for in one reserve_many() call: one
+# group commit each, and a bound on how long one call holds a store that
+# serves everyone in turn (a Berkeley DB worker).
+RESERVE_BATCH = 1024
 # A named lease's messages are kept in the store for a quarter more than the
 # visibility timeout, and their store deadlines renewed only when a quarter of
 # it has passed since the last renewal: a lease touched often costs one round
@@ -84,7 +89,6 @@ class Opened:
     receipt: Receipt  # kept apart: a backend may hand the same Message out again later
     session: Session | None
     timer: asyncio.TimerHandle | None = None
-    lease: NamedLease | None = None  # the named lease holding it, if any
 
 
 class NamedLease:
@@ -93,6 +97,9 @@ class NamedLease:
     Anyone who knows the name acknowledges or gives them back. One timer
     serves the whole lease: every command naming it restarts the queue's
     visibility timeout. Commands on one lease run one at a time (`lock`).
+    Its messages need no Opened record each: no connection, no timer of
+    their own; each is held with the receipt it was reserved under (kept
+    apart: a backend may hand the same Message out again later).
     """
 
     __slots__ = ("bytes", "held", "lock", "name", "queue", "renewed", "timer")
@@ -100,11 +107,17 @@ class NamedLease:
     def __init__(self, queue: str, name: str) -> None:
         self.queue = queue
         self.name = name
-        self.held: dict[int, Opened] = {}  # by offset, in the order reserved
+        self.held: dict[int, tuple[Message, Receipt]] = {}  # by offset, in the order reserved
         self.bytes = 0  # bodies of `held`
         self.lock = asyncio.Lock()
         self.timer: asyncio.TimerHandle | None = None
         self.renewed = time.monotonic()  # when the store's deadlines were last moved
+
+    def drop(self, offset: int) -> None:
+        """No longer hold the message at `offset` (if held)."""
+        entry = self.held.pop(offset, None)
+        if entry is not None:
+            self.bytes -= len(entry[0].body)
 
 
 class QueueState:
@@ -129,7 +142,7 @@ class QueueState:
         self.dequeued = 0
         self.expired = 0
         self.waiters: deque[asyncio.Future[str | None]] = deque()
-        self.opened: dict[int, Opened] = {}  # by offset, named leases' messages included
+        self.opened: dict[int, Opened] = {}  # by offset: `/open` ones (leases hold their own)
         self.leases: dict[str, NamedLease] = {}  # by name
 
     def configure(self, settings: QueueSettings) -> None:
@@ -206,13 +219,12 @@ class Broker:
             loop.cancel()
         if self._pending_flush is not None:
             self._pending_flush.cancel()
-        opened = []
+        calls = []
         for state in list(self._queues.values()):
-            for lease in state.leases.values():
-                _cancel(lease)
-            opened += sorted(state.opened.values(), key=_offset)
+            calls += [self._give_back(o) for o in sorted(state.opened.values(), key=_offset)]
+            calls += [self._end_lease(state, lease) for lease in list(state.leases.values())]
         # Together: a store that commits in groups returns them in a few commits.
-        for failed in await self._together([self._give_back(o) for o in opened]):
+        for failed in await self._together(calls):
             if isinstance(failed, Exception):
                 log.error("giving back an open message failed", exc_info=failed)
         if self._tasks:
@@ -493,10 +505,6 @@ class Broker:
         offset = opened.message.offset
         if state is not None and state.opened.get(offset) is opened:
             del state.opened[offset]
-        lease = opened.lease
-        if lease is not None and lease.held.get(offset) is opened:
-            del lease.held[offset]
-            lease.bytes -= len(opened.message.body)
 
     def _route(self, queue: str, message: Message) -> str | None:
         """Where an open message that comes back goes: its dead-letter queue, or None."""
@@ -511,28 +519,38 @@ class Broker:
         queue, message = opened.queue, opened.message
         to = self._route(queue, message)
         if await self.backend.release(opened.receipt, sync=self.settings(queue).sync, to=to):
-            self._reclaimed([Reclaimed(queue, message, to)])
+            self._came_back(queue, message, to)
 
     def _reclaimed(self, ended: list[Reclaimed]) -> None:
-        """Leases ended by release() or reclaim(): settle our records, count, wake."""
+        """Leases ended by reclaim(): settle our records, count, wake."""
         for queue, message, moved_to in ended:
             state = self._queues.get(queue)
             if state is not None:
-                opened = state.opened.get(message.offset)
+                offset = message.offset
+                opened = state.opened.get(offset)
                 if opened is not None and opened.receipt == message.receipt:
                     self._forget(opened)
-            if moved_to is None:
-                self._wake_queue(queue)
-                continue
-            self.state(moved_to).enqueued += 1
-            log.info(
-                "message %d of %r moved to %r after %d deliveries",
-                message.offset,
-                queue,
-                moved_to,
-                message.deliveries,
-            )
-            self._wake_queue(moved_to)
+                for lease in state.leases.values():
+                    entry = lease.held.get(offset)
+                    if entry is not None and entry[1] == message.receipt:
+                        lease.drop(offset)
+                        break
+            self._came_back(queue, message, moved_to)
+
+    def _came_back(self, queue: str, message: Message, moved_to: str | None) -> None:
+        """An open message came back to `queue`, or moved to `moved_to`: count, wake."""
+        if moved_to is None:
+            self._wake_queue(queue)
+            return
+        self.state(moved_to).enqueued += 1
+        log.info(
+            "message %d of %r moved to %r after %d deliveries",
+            message.offset,
+            queue,
+            moved_to,
+            message.deliveries,
+        )
+        self._wake_queue(moved_to)
 
     async def reclaim(self) -> int:
         """End every expired lease in the store, whoever held it; how many this call ended."""
@@ -613,7 +631,7 @@ class Broker:
                         await self._renew(state, lease)
                     else:
                         self._end(state, lease)
-                messages = [opened.message for opened in lease.held.values()][:count]
+                messages = [message for message, _ in islice(lease.held.values(), count)]
             left = deadline - loop.time()
             if messages or left <= 0 or self.stopping:
                 return messages
@@ -624,40 +642,32 @@ class Broker:
         queue = lease.queue
         settings = state.settings
         timeout = settings.visibility_timeout * LEASE_SLACK
-        while len(lease.held) < count and (not lease.held or lease.bytes < LEASE_BYTES):
-            # No more at once than can fit in LEASE_BYTES (or one), so it is
-            # passed by at most one message.
-            room = (LEASE_BYTES - lease.bytes) // max(settings.max_item_size, 1)
-            batch = max(1, min(count - len(lease.held), RESERVE_BATCH, room))
-            calls = [
-                self.backend.reserve(queue, lease=timeout, sync=settings.sync) for _ in range(batch)
-            ]
-            dry = False
-            error: Exception | None = None
-            for got in await self._together(calls):
-                if isinstance(got, Exception):
-                    error = error or got
-                elif got is None:
-                    dry = True
-                elif _expired(got):
-                    assert got.receipt is not None
-                    if await self.backend.ack(got.receipt, sync=settings.sync):
-                        state.expired += 1
+        held = lease.held
+        while len(held) < count and (not held or lease.bytes < LEASE_BYTES):
+            want = min(count - len(held), RESERVE_BATCH)
+            room = LEASE_BYTES - lease.bytes
+            got = await self.backend.reserve_many(
+                queue, want, lease=timeout, sync=settings.sync, max_bytes=room
+            )
+            now = time.time()
+            size = kept = 0
+            expired: list[Receipt] = []
+            for message in got:
+                receipt = message.receipt
+                assert receipt is not None
+                body = len(message.body)
+                size += body
+                if message.expires and message.expires <= now:  # _expired, inline
+                    expired.append(receipt)
                 else:
-                    self._hold(state, lease, got)
-            if error is not None:
-                raise error  # what was reserved is held: asking again returns it
-            if dry:
-                return
-
-    @staticmethod
-    def _hold(state: QueueState, lease: NamedLease, message: Message) -> None:
-        """Add a reserved message to `lease`."""
-        assert message.receipt is not None
-        opened = Opened(lease.queue, message, message.receipt, None, lease=lease)
-        lease.held[message.offset] = opened
-        lease.bytes += len(message.body)
-        state.opened[message.offset] = opened
+                    held[message.offset] = (message, receipt)
+                    kept += body
+            lease.bytes += kept
+            if expired:
+                removed = await self.backend.ack_many(expired, sync=settings.sync)
+                state.expired += sum(removed)
+            if len(got) < want and size < room:
+                return  # the queue has no more waiting
 
     async def lease_ack(self, queue: str, name: str, to: int | None) -> bool:
         """`delete <queue>/lease=<name>[/to=<id>]`: remove its messages (up to id `to`) for good.
@@ -673,16 +683,21 @@ class Broker:
         async with lease.lock:
             if state.leases.get(name) is not lease:
                 return False
-            done = [o for o in lease.held.values() if to is None or o.message.offset <= to]
-            results = await self._together([self._ack(o) for o in sorted(done, key=_offset)])
-            if lease.held:
+            held = lease.held
+            done = sorted(held if to is None else (o for o in held if o <= to))
+            removed: list[bool] = []
+            if done:
+                # An error leaves them all held: acknowledging again is safe.
+                receipts = [held[offset][1] for offset in done]
+                removed = await self.backend.ack_many(receipts, sync=state.settings.sync)
+                for offset in done:
+                    lease.drop(offset)  # False too: its store lease was lost, not ours now
+                state.dequeued += sum(removed)
+            if held:
                 await self._renew(state, lease)
             else:
                 self._end(state, lease)
-        for result in results:
-            if isinstance(result, Exception):
-                raise result  # those not removed are still the lease's
-        return any(results)
+        return any(removed)
 
     async def lease_abort(self, queue: str, name: str) -> None:
         """`get <queue>/lease=<name>/abort`: every message of the lease back to the queue."""
@@ -697,11 +712,21 @@ class Broker:
             if state.leases.get(lease.name) is not lease:
                 return
             self._end(state, lease)
-            held = sorted(lease.held.values(), key=_offset)
-            results = await self._together([self._give_back(o) for o in held])
-        for result in results:
-            if isinstance(result, Exception):
-                raise result
+            queue = lease.queue
+            held = sorted(lease.held.items())
+            lease.held, lease.bytes = {}, 0
+            if not held:
+                return
+            route = self._route
+            to = [route(queue, message) for _, (message, _) in held]
+            returned = await self.backend.release_many(
+                [receipt for _, (_, receipt) in held],
+                sync=state.settings.sync,
+                to=to if any(to) else (),
+            )
+        for (_, (message, _)), moved_to, done in zip(held, to, returned, strict=True):
+            if done:
+                self._came_back(queue, message, moved_to)
 
     def _end(self, state: QueueState, lease: NamedLease) -> None:
         """Forget the lease's record (its messages are the caller's to settle)."""
@@ -721,16 +746,19 @@ class Broker:
         if now - lease.renewed < timeout * (LEASE_SLACK - 1):
             return
         lease.renewed = now
-        held = list(lease.held.values())
-        calls = [
-            self.backend.extend(o.receipt, lease=timeout * LEASE_SLACK, sync=state.settings.sync)
-            for o in held
-        ]
-        for opened, kept in zip(held, await self._together(calls), strict=True):
-            if kept is False:
-                self._forget(opened)  # its store lease was lost: no longer ours
-            elif isinstance(kept, Exception):
-                log.warning("renewing a lease of %r failed: %s", lease.queue, kept)
+        held = list(lease.held.items())
+        try:
+            kept = await self.backend.extend_many(
+                [receipt for _, (_, receipt) in held],
+                lease=timeout * LEASE_SLACK,
+                sync=state.settings.sync,
+            )
+        except Exception as exc:
+            log.warning("renewing a lease of %r failed: %s", lease.queue, exc)
+            return
+        for (offset, _), still in zip(held, kept, strict=True):
+            if not still:
+                lease.drop(offset)  # its store lease was lost: no longer ours
 
     def _lease_timed_out(self, state: QueueState, lease: NamedLease) -> None:
         lease.timer = None

@@ -8,8 +8,10 @@ many-instance mode is tested on every run without a server.
 from __future__ import annotations
 
 import bisect
+import heapq
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import ClassVar
 
 from mqd.backend import (
@@ -339,6 +341,101 @@ class MemoryBackend(Backend):
         deadline = time.time() + lease if lease else 0.0
         q.leases[receipt.offset] = Lease(held.owner, deadline, held.token)
         return True
+
+    # -- leases in bulk: one pass each, no call per message ------------------
+
+    async def reserve_many(
+        self, queue: str, count: int, *, lease: float, sync: Sync, max_bytes: int = 0
+    ) -> list[Message]:
+        q = self._queues.get(queue)
+        if q is None or not q.waiting:
+            return []
+        # One lease record for all of them: it is immutable (extend() puts a
+        # new one), and a receipt names its offset too, so one new token per
+        # call tells each reservation from every other.
+        held = Lease.start(self.owner, lease, time.time())
+        token, incarnation = held.token, q.incarnation
+        waiting, reserved, leases = q.waiting, q.reserved, q.leases
+        opened: list[Message] = []
+        size = 0
+        for _ in range(min(count, len(waiting))):
+            message = waiting.popleft()
+            offset = message.offset
+            message.deliveries += 1
+            reserved[offset] = message
+            leases[offset] = held
+            message.receipt = Receipt(queue, incarnation, offset, token)
+            opened.append(message)
+            if max_bytes:
+                size += len(message.body)
+                if size >= max_bytes:
+                    break
+        return opened
+
+    async def ack_many(self, receipts: Sequence[Receipt], *, sync: Sync) -> list[bool]:
+        done: list[bool] = []
+        for receipt in receipts:
+            q = self._live(receipt)
+            if q is None:
+                done.append(False)
+                continue
+            offset = receipt.offset
+            del q.leases[offset]
+            message = q.reserved.pop(offset)
+            q.bytes -= len(message.body)  # q.forget(message), inline
+            if q.indexed:
+                q.index_drop(message)
+            done.append(True)
+        return done
+
+    async def release_many(
+        self, receipts: Sequence[Receipt], *, sync: Sync, to: Sequence[str | None] = ()
+    ) -> list[bool]:
+        done: list[bool] = []
+        back: dict[str, list[Message]] = {}  # by queue: messages returned there
+        for receipt, dead in zip(receipts, to or [None] * len(receipts), strict=True):
+            q = self._live(receipt)
+            done.append(q is not None)
+            if q is None:
+                continue
+            message = q.unreserve(receipt.offset)
+            if dead is None:
+                back.setdefault(receipt.queue, []).append(message)
+            else:
+                self._return(receipt.queue, q, message, dead)
+        for queue, messages in back.items():
+            self._requeue_all(queue, messages)
+        return done
+
+    def _requeue_all(self, queue: str, messages: list[Message]) -> None:
+        """Messages come back to `queue`, each ahead of every newer one waiting.
+
+        Put back one by one, each is inserted into the deque, O(queue) apiece;
+        a lease given back nearly always comes from before every waiting
+        message, so it goes in front in one step, else the two are merged.
+        """
+        q = self._queues[queue]
+        messages.sort(key=_offset)
+        if not q.waiting or messages[-1].offset < q.waiting[0].offset:
+            q.waiting.extendleft(reversed(messages))
+        else:
+            q.waiting = deque(heapq.merge(q.waiting, messages, key=_offset))
+        if self._store.shared:
+            for _ in messages:
+                self._store.arrived(queue, self)  # each may serve one waiting get
+
+    async def extend_many(
+        self, receipts: Sequence[Receipt], *, lease: float, sync: Sync
+    ) -> list[bool]:
+        done: list[bool] = []
+        deadline = time.time() + lease if lease else 0.0
+        for receipt in receipts:
+            q = self._live(receipt)
+            done.append(q is not None)
+            if q is not None:
+                held = q.leases[receipt.offset]
+                q.leases[receipt.offset] = Lease(held.owner, deadline, held.token)
+        return done
 
     async def reclaim(
         self, route: Route, *, sync: Sync, owner: str | None = None
