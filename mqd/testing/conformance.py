@@ -34,6 +34,7 @@ import pytest
 
 from mqd.backend import Backend, Capability, Limits, Message, Put, Sync
 from mqd.protocol import name_bytes
+from mqd.testing.batches import BatchConformance
 
 T = TypeVar("T")
 B = TypeVar("B", bound=Backend)
@@ -81,7 +82,7 @@ def run_with(backend: B, body: Callable[[B], Awaitable[T]]) -> T:
     return asyncio.run(main())
 
 
-class BackendConformance:
+class BackendConformance(BatchConformance):
     """Mixin of tests; subclass it and define `make_backend`."""
 
     durable = False

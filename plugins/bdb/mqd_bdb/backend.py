@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mqd.backend import (
@@ -196,6 +196,43 @@ class _BdbBackend(Backend):
         result: bool = await self._call(jobs.EXTEND, receipt.queue, (receipt, lease), sync)
         return result
 
+    async def reserve_many(
+        self, queue: str, count: int, *, lease: float, sync: Sync, max_bytes: int = 0
+    ) -> list[Message]:
+        arg = (self.owner, lease, count, max_bytes)
+        result: list[Message] = await self._call(jobs.RESERVE_MANY, queue, arg, sync)
+        return result
+
+    # The other bulk calls are one job when their receipts are of one queue
+    # (a named lease's always are), else the single calls, made together.
+
+    async def ack_many(self, receipts: Sequence[Receipt], *, sync: Sync) -> list[bool]:
+        queue = _one_queue(receipts)
+        if queue is None:
+            return await super().ack_many(receipts, sync=sync)
+        result: list[bool] = await self._call(jobs.ACK_MANY, queue, list(receipts), sync)
+        return result
+
+    async def release_many(
+        self, receipts: Sequence[Receipt], *, sync: Sync, to: Sequence[str | None] = ()
+    ) -> list[bool]:
+        queue = _one_queue(receipts)
+        if queue is None:
+            return await super().release_many(receipts, sync=sync, to=to)
+        ends = list(zip(receipts, to or [None] * len(receipts), strict=True))
+        result: list[bool] = await self._call(jobs.RELEASE_MANY, queue, ends, sync)
+        return result
+
+    async def extend_many(
+        self, receipts: Sequence[Receipt], *, lease: float, sync: Sync
+    ) -> list[bool]:
+        queue = _one_queue(receipts)
+        if queue is None:
+            return await super().extend_many(receipts, lease=lease, sync=sync)
+        arg = (list(receipts), lease)
+        result: list[bool] = await self._call(jobs.EXTEND_MANY, queue, arg, sync)
+        return result
+
     async def reclaim(
         self, route: Route, *, sync: Sync, owner: str | None = None
     ) -> list[Reclaimed]:
@@ -260,6 +297,14 @@ class _BdbBackend(Backend):
 
     async def sizes(self) -> dict[str, QueueSize]:
         return dict(self._sizes)
+
+
+def _one_queue(receipts: Sequence[Receipt]) -> str | None:
+    """The queue every receipt names, or None when there are none or several."""
+    if not receipts:
+        return None
+    queue = receipts[0].queue
+    return queue if all(r.queue == queue for r in receipts) else None
 
 
 class _FifoBdbBackend(_BdbBackend):

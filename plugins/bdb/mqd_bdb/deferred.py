@@ -31,7 +31,7 @@ from mqd_bdb.operations import ChildLimits
 from mqd_bdb.records import U64
 
 #: Jobs that may change or read queues other than the one they name.
-ANY_QUEUE = frozenset({jobs.RELEASE, jobs.RECLAIM, jobs.LEASES, jobs.REDRIVE})
+ANY_QUEUE = frozenset({jobs.RELEASE, jobs.RELEASE_MANY, jobs.RECLAIM, jobs.LEASES, jobs.REDRIVE})
 
 #: A queue's deferred puts, oldest first.
 Deferred = tuple[QueueState, deque[Message]]

@@ -27,6 +27,11 @@ CREATE = 15  # None -> bool
 REDRIVE = 16  # (to or None, limit) -> {queue: how many moved there}
 EXPIRE_IDLE = 17  # before (Unix time) -> bool
 READ_RANGE = 18  # (first offset, count, max bytes) -> [Message]
+# Leases in bulk (Backend.reserve_many and the rest): one job, one transaction.
+RESERVE_MANY = 19  # (owner, lease seconds, count, max_bytes) -> [Message], receipts set
+ACK_MANY = 20  # [receipt], all of the job's queue -> [bool]
+RELEASE_MANY = 21  # [(receipt, dead-letter queue or None)], of the job's queue -> [bool]
+EXTEND_MANY = 22  # ([receipt] of the job's queue, lease seconds) -> [bool]
 
 #: The Store method that runs each operation.
 METHODS = {
@@ -49,6 +54,10 @@ METHODS = {
     REDRIVE: "redrive",
     EXPIRE_IDLE: "expire_idle",
     READ_RANGE: "read_range",
+    RESERVE_MANY: "reserve_many",
+    ACK_MANY: "ack_many",
+    RELEASE_MANY: "release_many",
+    EXTEND_MANY: "extend_many",
 }
 
 #: (operation, queue name, argument, sync or None for reads, future or None).

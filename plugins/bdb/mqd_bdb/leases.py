@@ -1,5 +1,8 @@
 """Leases: the stored record of an open message, and the calls that end or extend one.
 
+The bulk calls (ack_many and the rest) run the single ones in a loop: they
+are one job, so one transaction and one sync for all of them.
+
 reserve() (mqd_bdb.operations) writes a lease record beside the message,
 marked RESERVED, in the same transaction. Every call here finds the lease by
 its receipt and checks the queue's incarnation (its qid, never reused) and
@@ -99,6 +102,18 @@ class Leases(Operations):
         longer = Lease(lease.owner, deadline, lease.token)
         self.cat.put(lease_key, lease_record(longer, key[len(q.mpre) :]), txn)
         return True
+
+    def ack_many(self, txn: Any, name: str, receipts: list[Receipt]) -> list[bool]:
+        return [self.ack(txn, name, receipt) for receipt in receipts]
+
+    def release_many(
+        self, txn: Any, name: str, ends: list[tuple[Receipt, str | None]]
+    ) -> list[bool]:
+        return [self.release(txn, name, end) for end in ends]
+
+    def extend_many(self, txn: Any, name: str, arg: tuple[list[Receipt], float]) -> list[bool]:
+        receipts, seconds = arg
+        return [self.extend(txn, name, (receipt, seconds)) for receipt in receipts]
 
     def leases(self, txn: Any, name: str, owner: str | None) -> list[tuple[str, Message]]:
         """Every open message whose lease has expired, or is held by `owner`."""

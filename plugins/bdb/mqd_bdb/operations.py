@@ -199,6 +199,27 @@ class Operations(Store):
         owner, seconds = arg
         return self._pop(txn, q, Lease.start(owner, seconds, self.now))
 
+    def reserve_many(self, txn: Any, name: str, arg: tuple[str, float, int, int]) -> list[Message]:
+        """Up to `count` reserve()s in this transaction, stopping once `max_bytes` is reached."""
+        q = self._find(name)
+        if q is None:
+            return []
+        owner, seconds, count, max_bytes = arg
+        # One lease for all of them: a receipt names the offset too, so one
+        # new token tells each of these reservations from every other.
+        lease = Lease.start(owner, seconds, self.now)
+        opened: list[Message] = []
+        size = 0
+        while len(opened) < count:
+            message = self._pop(txn, q, lease)
+            if message is None:
+                break
+            opened.append(message)
+            size += len(message.body)
+            if max_bytes and size >= max_bytes:
+                break
+        return opened
+
     def remove(self, txn: Any, name: str, offset: int) -> bool:
         q = self._find(name)
         rec = None if q is None else self._waiting_at(txn, q, offset)

@@ -113,6 +113,9 @@ class Worker:
                 self.inbox.put([(jobs.RESTORE, job[1], value, job[3], None)])
             elif job[0] == jobs.RESERVE:
                 self.inbox.put([(jobs.RELEASE, job[1], (value.receipt, None), job[3], None)])
+        elif job[0] == jobs.RESERVE_MANY and value:
+            ends = [(message.receipt, None) for message in value]
+            self.inbox.put([(jobs.RELEASE_MANY, job[1], ends, job[3], None)])
 
     # -- worker thread ---------------------------------------------------------
 
