@@ -310,13 +310,21 @@ class Backend(abc.ABC):
         messages are opened like any other (what to do with them is the
         caller's business). An unknown queue gives [] and is not created.
 
+        An error raised means nothing was opened: one met after some were
+        opened ends the call with those (the next call meets it again).
+
         The default calls reserve() once per message, each after the last
         returned, which is what makes the `max_bytes` stop exact.
         """
         opened: list[Message] = []
         size = 0
         while len(opened) < count and not (max_bytes and size >= max_bytes):
-            message = await self.reserve(queue, lease=lease, sync=sync)
+            try:
+                message = await self.reserve(queue, lease=lease, sync=sync)
+            except Exception:
+                if not opened:
+                    raise
+                break  # those opened must reach the caller, or they stay open unseen
             if message is None:
                 break
             opened.append(message)

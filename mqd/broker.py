@@ -690,8 +690,13 @@ class Broker:
                 # An error leaves them all held: acknowledging again is safe.
                 receipts = [held[offset][1] for offset in done]
                 removed = await self.backend.ack_many(receipts, sync=state.settings.sync)
-                for offset in done:
-                    lease.drop(offset)  # False too: its store lease was lost, not ours now
+                # Those False too: their store leases were lost, not ours now.
+                if len(done) == len(held):
+                    held.clear()
+                    lease.bytes = 0
+                else:
+                    for offset in done:
+                        lease.drop(offset)
                 state.dequeued += sum(removed)
             if held:
                 await self._renew(state, lease)

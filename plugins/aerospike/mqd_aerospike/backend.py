@@ -252,6 +252,32 @@ class AerospikeBackend(Backend):
     async def reserve(self, queue: str, *, lease: float, sync: Sync) -> Message | None:
         return await self._dequeue(queue, ReserveOp, lease=lease, owner=self.owner)
 
+    async def reserve_many(
+        self, queue: str, count: int, *, lease: float, sync: Sync, max_bytes: int = 0
+    ) -> list[Message]:
+        # Waves of reserve()s made together, so that each shard's lane serves
+        # a wave in a cycle or two; no wave so large that it could reach
+        # `max_bytes` before its last message, as no body is over `largest`.
+        if self._store is None:
+            raise StorageError("aerospike backend is not open")
+        opened: list[Message] = []
+        size = 0
+        while len(opened) < count and not (max_bytes and size >= max_bytes):
+            wave = count - len(opened)
+            if max_bytes:
+                wave = min(wave, max(1, (max_bytes - size) // self._store.largest))
+            calls = (self.reserve(queue, lease=lease, sync=sync) for _ in range(wave))
+            got = await asyncio.gather(*calls, return_exceptions=True)
+            found = [m for m in got if isinstance(m, Message)]
+            opened += found
+            size += sum(len(m.body) for m in found)
+            for error in got:
+                if isinstance(error, BaseException) and not opened:
+                    raise error
+            if len(found) < wave:
+                break  # dry, or failed: what was opened is the caller's
+        return opened
+
     async def _dequeue(self, queue: str, kind: type[Op], **fields: Any) -> Message | None:
         shards = await self._shard_count(queue)
         if shards is None:
