@@ -272,6 +272,24 @@ class LeaseConformance:
             a.close()
             b.close()
 
+    def test_a_large_lease_in_several_reservations(self, conn: Raw) -> None:
+        # More than the daemon asks its backend for at once (RESERVE_BATCH).
+        queue = self.name()
+        self.fill(conn, queue, 2500)
+        held = self.lease(conn, queue, "big", 2100)
+        assert len(held) == 2100 and len({i for i, _ in held}) == 2100
+        if self.fifo:
+            assert held == [(i, b"m%d" % i) for i in range(2100)]
+        assert self.lease(conn, queue, "big", 2100) == held
+        cut = sorted(held)[999][0]
+        assert self.ack(conn, queue, "big", to=cut) == b"DELETED\r\n"
+        rest = self.lease(conn, queue, "big", 3000)
+        assert rest[:1100] == [v for v in held if v[0] > cut] and len(rest) == 1500
+        gauges = self.gauges(conn, queue)
+        assert (gauges["items"], gauges["open"]) == (1500, 1500)
+        assert self.ack(conn, queue, "big") == b"DELETED\r\n"
+        assert self.gauges(conn, queue)["items"] == 0
+
     def test_names_are_per_queue_and_separate(self, conn: Raw) -> None:
         one, two = self.name(), self.name()
         self.fill(conn, one, 2)
