@@ -36,6 +36,16 @@ def _receipts(messages: list[Message]) -> list[Receipt]:
     return [r for r in found if r is not None]
 
 
+async def _reserved(
+    backend: Backend, bodies: list[bytes], lease: float = 0
+) -> tuple[list[Message], list[Receipt]]:
+    """Store `bodies` in "q" and reserve them all: the messages and their receipts."""
+    await _fill(backend, "q", bodies)
+    held = await backend.reserve_many("q", len(bodies), lease=lease, sync=ALWAYS)
+    assert len(held) == len(bodies)
+    return held, _receipts(held)
+
+
 async def _drain(backend: Backend, queue: str) -> list[bytes]:
     bodies = []
     while (message := await backend.take(queue, sync=ALWAYS)) is not None:
@@ -124,9 +134,7 @@ class BatchConformance:
 
     def test_ack_many(self, data_dir: Path) -> None:
         async def body(b: Backend) -> None:
-            await _fill(b, "q", [b"m%d" % i for i in range(5)])
-            held = await b.reserve_many("q", 5, lease=0, sync=ALWAYS)
-            receipts = _receipts(held)
+            held, receipts = await _reserved(b, [b"m%d" % i for i in range(5)])
             assert await b.ack_many(receipts[:3], sync=ALWAYS) == [True, True, True]
             size = await b.size("q")
             assert size is not None and (size.items, size.open) == (2, 2)
@@ -145,11 +153,9 @@ class BatchConformance:
 
     def test_ack_many_after_delete_and_recreate(self, data_dir: Path) -> None:
         async def body(b: Backend) -> None:
-            await _fill(b, "q", [b"old1", b"old2"])
-            stale = _receipts(await b.reserve_many("q", 2, lease=0, sync=ALWAYS))
+            _, stale = await _reserved(b, [b"old1", b"old2"])
             assert await b.delete("q", sync=ALWAYS)
-            await _fill(b, "q", [b"new1", b"new2"])
-            fresh = _receipts(await b.reserve_many("q", 2, lease=0, sync=ALWAYS))
+            _, fresh = await _reserved(b, [b"new1", b"new2"])
             assert await b.ack_many(stale, sync=ALWAYS) == [False, False]
             assert await b.release_many(stale, sync=ALWAYS) == [False, False]
             assert await b.extend_many(stale, lease=5, sync=ALWAYS) == [False, False]
@@ -161,10 +167,8 @@ class BatchConformance:
 
     def test_release_many_back_ahead_of_newer(self, data_dir: Path) -> None:
         async def body(b: Backend) -> None:
-            await _fill(b, "q", [b"m%d" % i for i in range(4)])
-            held = await b.reserve_many("q", 4, lease=0, sync=ALWAYS)
+            held, receipts = await _reserved(b, [b"m%d" % i for i in range(4)])
             await _fill(b, "q", [b"later"])
-            receipts = _receipts(held)
             assert await b.release_many(receipts[:3], sync=ALWAYS) == [True] * 3
             assert await b.release_many(receipts[:3], sync=ALWAYS) == [False] * 3
             size = await b.size("q")
@@ -180,9 +184,7 @@ class BatchConformance:
 
     def test_release_many_to_dead_letters(self, data_dir: Path) -> None:
         async def body(b: Backend) -> None:
-            await _fill(b, "q", [b"a", b"b", b"c"])
-            held = await b.reserve_many("q", 3, lease=0, sync=ALWAYS)
-            receipts = _receipts(held)
+            held, receipts = await _reserved(b, [b"a", b"b", b"c"])
             to = ["q_dead", None, "q_dead"]
             assert await b.release_many(receipts, sync=ALWAYS, to=to) == [True] * 3
             dead = []
@@ -197,9 +199,7 @@ class BatchConformance:
 
     def test_extend_many_keeps_leases(self, data_dir: Path) -> None:
         async def body(b: Backend) -> None:
-            await _fill(b, "q", [b"a", b"b", b"c"])
-            held = await b.reserve_many("q", 3, lease=0.3, sync=ALWAYS)
-            receipts = _receipts(held)
+            held, receipts = await _reserved(b, [b"a", b"b", b"c"], lease=0.3)
             assert await b.ack_many(receipts[2:], sync=ALWAYS) == [True]
             assert await b.extend_many(receipts, lease=30, sync=ALWAYS) == [True, True, False]
             await asyncio.sleep(0.5)
