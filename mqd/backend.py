@@ -16,6 +16,9 @@ Queue names are `str` decoded from the wire bytes as UTF-8 with
 gives back the exact bytes the client sent. Names are data: a backend must store any name the
 protocol allows (`..`, `con`, names differing only in case, 250 bytes) safely
 and separately.
+
+Over 500 lines: the docstrings here are the whole contract a backend
+implements (plugins/README.md), bulk lease calls and their defaults included.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ a store must agree on (leases, limits, dead-letter moves, reclaiming expired
 leases) is the backend's: the broker only asks. It never touches sockets; the
 server hands it a `Session` per connection.
 
-It is longer than most modules here (under 950 lines) because the options of
+It is longer than most modules here (under 1,000 lines) because the options of
 a `get` (wait, open, close, abort, peek, at, several keys, named leases) and
 the records of open messages they act on are one piece of logic; the figures
 of `stats` live in mqd.stats.
