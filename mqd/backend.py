@@ -76,7 +76,8 @@ class Receipt:
     A queue deleted and recreated has a new `incarnation`, and every reserve()
     a new `token`, so a receipt from a lease that was lost (expired and
     returned, or its queue deleted) never matches a later reservation, even of
-    a message at the same offset.
+    a message at the same offset. The messages one reserve_many() opens may
+    share a token: their offsets already tell them apart.
     """
 
     queue: str
