@@ -67,11 +67,14 @@ def test_cancelled_take_gives_the_message_back(name: str, tmp_path: Path) -> Non
         await b.open()
         try:
             await put(b, "q", b"precious")
-            for op in ("take", "reserve"):
+            task: asyncio.Future[object]
+            for op in ("take", "reserve", "reserve_many"):
                 if op == "take":
                     task = asyncio.ensure_future(b.take("q", sync=Sync.ALWAYS))
-                else:
+                elif op == "reserve":
                     task = asyncio.ensure_future(b.reserve("q", lease=0, sync=Sync.ALWAYS))
+                else:
+                    task = asyncio.ensure_future(b.reserve_many("q", 5, lease=0, sync=Sync.ALWAYS))
                 await asyncio.sleep(0)  # the job is submitted
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
@@ -85,7 +88,7 @@ def test_cancelled_take_gives_the_message_back(name: str, tmp_path: Path) -> Non
                 assert size is not None and (size.items, size.open) == (1, 0)
             m = await b.take("q", sync=Sync.ALWAYS)
             assert m is not None and m.body == b"precious"
-            assert m.deliveries == 2  # the cancelled take is not counted; the reserve was
+            assert m.deliveries == 3  # the cancelled take is not counted; the reserves were
         finally:
             await b.close()
 
