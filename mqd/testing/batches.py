@@ -182,6 +182,23 @@ class BatchConformance:
 
         self.session(data_dir, body)
 
+    def test_release_many_among_waiting_messages(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            held, receipts = await _reserved(b, [b"m%d" % i for i in range(5)])
+            await _fill(b, "q", [b"later"])
+            assert await b.release(receipts[2], sync=ALWAYS)
+            # Out of order, around one already back: each goes where it belongs.
+            assert await b.release_many([receipts[3], receipts[0]], sync=ALWAYS) == [True] * 2
+            back = await _drain(b, "q")
+            expected = [held[i].body for i in (0, 2, 3)] + [b"later"]
+            if Capability.FIFO in b.capabilities:
+                assert back == expected
+            else:
+                assert sorted(back) == sorted(expected)
+            assert await b.ack_many([receipts[1], receipts[4]], sync=ALWAYS) == [True] * 2
+
+        self.session(data_dir, body)
+
     def test_release_many_to_dead_letters(self, data_dir: Path) -> None:
         async def body(b: Backend) -> None:
             held, receipts = await _reserved(b, [b"a", b"b", b"c"])
