@@ -277,9 +277,10 @@ class LeaseConformance:
         queue = self.name()
         self.fill(conn, queue, 2500)
         held = self.lease(conn, queue, "big", 2100)
-        assert len(held) == 2100 and len({i for i, _ in held}) == 2100
         if self.fifo:
             assert held == [(i, b"m%d" % i) for i in range(2100)]
+        else:  # 2100 messages, each once
+            assert len({body for _, body in held}) == len(held) == 2100
         assert self.lease(conn, queue, "big", 2100) == held
         cut = sorted(held)[999][0]
         assert self.ack(conn, queue, "big", to=cut) == b"DELETED\r\n"
