@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Sequence
@@ -95,14 +96,14 @@ class NamedLease:
     """Messages of one queue reserved under a name, held by no connection.
 
     Anyone who knows the name acknowledges or gives them back. One timer
-    serves the whole lease: every command naming it restarts the queue's
-    visibility timeout. Commands on one lease run one at a time (`lock`).
+    serves the whole lease: every command naming it restarts its visibility
+    timeout (`timeout`, or the queue's). Commands on one lease run one at a time (`lock`).
     Its messages need no Opened record each: no connection, no timer of
     their own; each is held with the receipt it was reserved under (kept
     apart: a backend may hand the same Message out again later).
     """
 
-    __slots__ = ("bytes", "held", "lock", "name", "queue", "renewed", "timer")
+    __slots__ = ("bytes", "held", "lock", "name", "queue", "renewed", "timeout", "timer")
 
     def __init__(self, queue: str, name: str) -> None:
         self.queue = queue
@@ -112,6 +113,7 @@ class NamedLease:
         self.lock = asyncio.Lock()
         self.timer: asyncio.TimerHandle | None = None
         self.renewed = time.monotonic()  # when the store's deadlines were last moved
+        self.timeout = 0.0  # seconds, from `/visibility=`; 0: the queue's visibility_timeout
 
     def drop(self, offset: int) -> None:
         """No longer hold the message at `offset` (if held)."""
@@ -591,14 +593,18 @@ class Broker:
     # -- named leases ------------------------------------------------------
 
     async def _lease_retrieve(self, key: Key, session: Session) -> Hits:
-        """`get <queue>/lease=<name>/abort`, or `gets <queue>/lease=<name>/n=<count>[/t=<ms>]`."""
+        """`get <queue>/lease=<name>/abort`, or `gets <queue>/lease=<name>/n=<count>` (with
+        `/t=<ms>`, `/visibility=<ms>`)."""
         assert key.lease is not None
         self.counters.cmd_get += 1
         if key.abort:
             await self.lease_abort(key.queue, key.lease)
             return []
         wait = self._wait_of(key) if key.wait_ms else 0.0
-        messages = await self.lease_reserve(key.queue, key.lease, key.count, wait, session)
+        visibility = key.visibility_ms / 1000
+        messages = await self.lease_reserve(
+            key.queue, key.lease, key.count, wait, session, visibility
+        )
         if messages:
             self.counters.get_hits += 1
         else:
@@ -606,13 +612,20 @@ class Broker:
         return [(key, message) for message in messages]
 
     async def lease_reserve(
-        self, queue: str, name: str, count: int, wait: float, session: Session
+        self,
+        queue: str,
+        name: str,
+        count: int,
+        wait: float,
+        session: Session,
+        visibility: float = 0.0,
     ) -> list[Message]:
         """The first `count` messages of lease `name`, reserving more from the head as needed.
 
         What the lease already holds comes first, so asking again gives the
         same messages. When it holds none and the queue has none, waits up to
-        `wait` seconds for one.
+        `wait` seconds for one. With `visibility` (seconds), that is the
+        lease's visibility timeout from now on, in place of the queue's.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
@@ -624,6 +637,9 @@ class Broker:
             async with lease.lock:
                 if state.leases.get(name) is not lease:
                     continue  # ended (given back, acknowledged) while this waited for it
+                if visibility and visibility != lease.timeout:
+                    lease.timeout = visibility
+                    lease.renewed = -math.inf  # what it holds gets the new deadline now
                 try:
                     await self._reserve_into(state, lease, count)
                 finally:
@@ -641,7 +657,7 @@ class Broker:
         """Reserve head messages into `lease` until it holds `count` or LEASE_BYTES of bodies."""
         queue = lease.queue
         settings = state.settings
-        timeout = settings.visibility_timeout * LEASE_SLACK
+        timeout = _lease_timeout(state, lease) * LEASE_SLACK
         held = lease.held
         while len(held) < count and (not held or lease.bytes < LEASE_BYTES):
             want = min(count - len(held), RESERVE_BATCH)
@@ -741,7 +757,7 @@ class Broker:
 
     async def _renew(self, state: QueueState, lease: NamedLease) -> None:
         """The lease was named: its visibility timeout starts again."""
-        timeout = state.settings.visibility_timeout
+        timeout = _lease_timeout(state, lease)
         if not timeout:
             return
         _cancel(lease)
@@ -966,6 +982,11 @@ def _cancel(lease: NamedLease) -> None:
     if lease.timer is not None:
         lease.timer.cancel()
         lease.timer = None
+
+
+def _lease_timeout(state: QueueState, lease: NamedLease) -> float:
+    """A named lease's visibility timeout in seconds: its own, or its queue's (0: none)."""
+    return lease.timeout or state.settings.visibility_timeout
 
 
 def _expired(message: Message) -> bool:

@@ -27,6 +27,7 @@ MAX_GET_KEYS = 8192  # keys in one get or gets
 MAX_BYTES_FIELD = 2**31 - 1  # memcached parses <bytes> as a signed 32-bit number
 MAX_FLAGS = 2**32 - 1
 MAX_LEASE_COUNT = 100_000  # messages one named lease holds, or one range read covers (`/n=`)
+MAX_VISIBILITY_MS = 7 * 24 * 3600 * 1000  # a named lease's own visibility timeout, at most
 
 REPLY = {
     "stored": b"STORED\r\n",
@@ -94,6 +95,7 @@ class Key:
     plain: bool = False  # no options at all: the common case, the broker's fast path
     lease: str | None = None  # `/lease=<name>`: with `count`, reserve; with `abort`, give back
     count: int = 0  # `/n=<count>`: how many messages the lease should hold, or ids from `at`
+    visibility_ms: int = 0  # `/visibility=<ms>`: the lease's timeout (0: the queue's)
 
     @property
     def alone(self) -> bool:
@@ -247,6 +249,8 @@ _CLASHES = (
 _MANY_FORMS = (
     {"lease", "count"},
     {"lease", "count", "wait_ms"},
+    {"lease", "count", "visibility"},
+    {"lease", "count", "wait_ms", "visibility"},
     {"lease", "abort"},
     {"at", "count"},
 )
@@ -265,6 +269,7 @@ def parse_key(raw: bytes) -> Key | None:
     at: int | None = None
     lease: str | None = None
     count: int | None = 0
+    visibility: int | None = 0
     for option in rest.split(b"/"):
         flag = _FLAG_OPTIONS.get(option)
         if flag is not None:
@@ -281,6 +286,10 @@ def parse_key(raw: bytes) -> Key | None:
             key, lease = "lease", lease_name(option[6:])
             if lease is None:
                 return None
+        elif option.startswith(b"visibility="):
+            key, visibility = "visibility", _unsigned(option[11:], MAX_VISIBILITY_MS)
+            if not visibility:
+                return None
         elif option.startswith(b"n="):
             key, count = "count", _unsigned(option[2:], MAX_LEASE_COUNT)
             if not count:
@@ -290,7 +299,7 @@ def parse_key(raw: bytes) -> Key | None:
         if key in seen:
             return None
         seen.add(key)
-    if ("lease" in seen or "count" in seen) and seen not in _MANY_FORMS:
+    if ("lease" in seen or "count" in seen or "visibility" in seen) and seen not in _MANY_FORMS:
         return None
     if "at" in seen and len(seen) > 1 and "count" not in seen:
         return None
@@ -308,6 +317,7 @@ def parse_key(raw: bytes) -> Key | None:
         at=at,
         lease=lease,
         count=count or 0,
+        visibility_ms=visibility or 0,
     )
 
 

@@ -361,6 +361,31 @@ class LeaseConformance:
         assert self.lease(conn, queue, "r", 4) == held[3:]
         self.abort(conn, queue, "r")
 
+    def test_a_lease_with_a_visibility_timeout_of_its_own(self, conn: Raw) -> None:
+        queue = self.name("vt")
+        self.fill(conn, queue, 3)
+        conn.send(b"gets %b/lease=long/n=2/visibility=60000\r\n" % queue.encode())
+        held = read_values(conn)
+        assert len(held) == 2
+        assert len(self.lease(conn, queue, "short", 1)) == 1
+        time.sleep(VISIBILITY * 2)  # past the queue's timeout, not the long lease's
+        assert self.ack(conn, queue, "short") == b"NOT_FOUND\r\n"
+        assert self.gauges(conn, queue)["open"] == 2
+        # Named again without /visibility=, it keeps its own timeout.
+        assert self.lease(conn, queue, "long", 2) == held
+        time.sleep(VISIBILITY * 2)
+        assert self.gauges(conn, queue)["open"] == 2
+        assert self.ack(conn, queue, "long") == b"DELETED\r\n"
+        assert len(self.take_all(conn, queue)) == 1
+        # Shorter than the queue's (60 s here): back after its own.
+        other = self.name()
+        self.fill(conn, other, 1)
+        conn.send(b"gets %b/lease=quick/n=1/visibility=300\r\n" % other.encode())
+        assert len(read_values(conn)) == 1
+        assert self.take_all(conn, other) == []
+        time.sleep(1.0)
+        assert self.take_all(conn, other) == [b"m0"]
+
     def test_given_back_past_max_deliveries_goes_to_the_dead_letters(self, conn: Raw) -> None:
         queue = self.name("dl")
         self.fill(conn, queue, 2)
@@ -428,6 +453,9 @@ class LeaseConformance:
             b"gets q/lease=a/n=1/abort",
             b"gets q/lease=a/n=1/n=2",
             b"gets q/lease=a/lease=b/n=1",
+            b"gets q/lease=a/n=1/visibility=0",
+            b"gets q/lease=a/abort/visibility=5",
+            b"gets q/visibility=5",
             b"get q/lease=a/abort/t=5",
             b"get q/lease=a/open",
             b"gets q/lease=a/n=1 q",

@@ -85,6 +85,10 @@ def test_lease_options() -> None:
         b"jobs/lease=x/abort", "jobs", abort=True, lease="x"
     )
     assert parse_key(b"jobs/lease=" + b"x" * 64 + b"/n=1") is not None
+    raw = b"jobs/lease=x/n=5/visibility=604800000/t=9"
+    assert parse_key(raw) == Key(
+        raw, "jobs", wait_ms=9, lease="x", count=5, visibility_ms=604_800_000
+    )
     for bad in (
         b"jobs/lease=x",
         b"jobs/n=1",
@@ -103,6 +107,13 @@ def test_lease_options() -> None:
         b"jobs/lease=x/abort/t=1",
         b"jobs/lease=x/lease=y/n=1",
         b"jobs/abort/n=1",
+        b"jobs/lease=x/n=1/visibility=0",
+        b"jobs/lease=x/n=1/visibility=604800001",
+        b"jobs/lease=x/abort/visibility=5",
+        b"jobs/lease=x/visibility=5",
+        b"jobs/visibility=5",
+        b"jobs/open/visibility=5",
+        b"jobs/at=1/n=2/visibility=5",
     ):
         assert parse_key(bad) is None, bad
 

@@ -30,11 +30,16 @@ LEASE_ROWS = 10_000
 
 
 class LeasePartition(InputPartition):
-    """Leases (name, count) of one queue on one server, read in order by one task."""
+    """Leases (name, count) of one queue on one server, read in order by one task.
 
-    def __init__(self, server: Address, queue: str, leases: list[tuple[str, int]]) -> None:
-        super().__init__((server, queue, leases))
-        self.server, self.queue, self.leases = server, queue, leases
+    Each lease holds its messages for `hold_s` seconds after it was last named.
+    """
+
+    def __init__(
+        self, server: Address, queue: str, leases: list[tuple[str, int]], hold_s: int
+    ) -> None:
+        super().__init__((server, queue, leases, hold_s))
+        self.server, self.queue, self.leases, self.hold_s = server, queue, leases, hold_s
 
 
 def new_base() -> str:
@@ -42,7 +47,7 @@ def new_base() -> str:
 
 
 def plan(
-    server: Address, queue: str, base: str, count: int, rows_per_part: int
+    server: Address, queue: str, base: str, count: int, rows_per_part: int, hold_s: int
 ) -> list[LeasePartition]:
     """`count` messages of `queue` as partitions of about `rows_per_part`, LEASE_ROWS a lease."""
     names = [
@@ -51,14 +56,14 @@ def plan(
     ]
     per_part = max(1, -(-rows_per_part // LEASE_ROWS))
     return [
-        LeasePartition(server, queue, names[i : i + per_part])
+        LeasePartition(server, queue, names[i : i + per_part], hold_s)
         for i in range(0, len(names), per_part)
     ]
 
 
 def read(partition: LeasePartition, timeout: float) -> Iterator[pa.RecordBatch]:
     with closing(Connection(partition.server, timeout)) as conn:
-        for got in conn.lease_read(partition.queue, partition.leases):
+        for got in conn.lease_read(partition.queue, partition.leases, partition.hold_s):
             yield rows.record_batch(partition.queue, got)
 
 

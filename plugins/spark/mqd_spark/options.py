@@ -14,6 +14,12 @@ COMMANDS = ("set", "add")
 GLOB_CHARS = frozenset("*?[")
 # A partition reads this many ids by default; `partitions` overrides it per queue.
 ROWS_PER_PARTITION = 100_000
+# How long a drain's leases hold their messages unnamed, by default: longer
+# than a job or micro-batch runs, so that none goes back to its queue (to be
+# read again) while the job that read it still runs. If the driver dies, its
+# messages go back after this.
+LEASE_TIMEOUT_S = 3600
+MAX_LEASE_TIMEOUT_S = 7 * 24 * 3600  # the daemon's bound on a lease's own timeout
 
 
 class OptionError(ValueError):
@@ -31,6 +37,7 @@ class Options:
     exptime: int
     flags: int | None
     timeout: float
+    lease_timeout: int  # seconds a drain's lease holds its messages after it was last named
 
     @property
     def queue(self) -> str | None:
@@ -73,6 +80,8 @@ def parse(options: Mapping[str, str], *, need_queue: bool = True) -> Options:
         exptime=_number(opts, "exptime", minimum=-(2**31)) or 0,
         flags=_number(opts, "flags", minimum=0, maximum=2**32 - 1),
         timeout=float(_number(opts, "timeout", minimum=1) or 30),
+        lease_timeout=_number(opts, "lease_timeout", minimum=1, maximum=MAX_LEASE_TIMEOUT_S)
+        or LEASE_TIMEOUT_S,
     )
 
 
@@ -87,7 +96,8 @@ def _number(
     except ValueError:
         value = minimum - 1
     if not minimum <= value <= maximum:
-        raise OptionError(f"mqd option {key}={text!r}: must be a whole number >= {minimum}")
+        bound = f"from {minimum} to {maximum}" if maximum < 2**63 - 1 else f">= {minimum}"
+        raise OptionError(f"mqd option {key}={text!r}: must be a whole number {bound}")
     return value
 
 

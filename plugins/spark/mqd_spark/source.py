@@ -115,7 +115,9 @@ class MqdReader(DataSourceReader):
                     for queue, count in opts.waiting(self.options, conn):
                         count = min(count, limit or count)
                         per_part = rows_per_part(self.options, count)
-                        out += leases.plan(server, queue, base, count, per_part)
+                        out += leases.plan(
+                            server, queue, base, count, per_part, self.options.lease_timeout
+                        )
                     continue
                 for queue, head, last in opts.survey(self.options, conn):
                     if limit is not None:
@@ -247,7 +249,8 @@ class MqdLeaseStreamReader(DataSourceStreamReader):
         batch, count = value
         server, queue = _unkey(key)
         base = f"{end[LEASE]}-{batch - 1}"
-        return leases.plan(server, queue, base, count, rows_per_part(self.options, count))
+        per_part = rows_per_part(self.options, count)
+        return leases.plan(server, queue, base, count, per_part, self.options.lease_timeout)
 
     def partitions(self, start: Offset, end: Offset) -> Sequence[InputPartition]:
         return [

@@ -214,16 +214,23 @@ class Connection:
 
     # -- named leases (docs/protocol.md, "Named leases") ------------------------
 
-    def lease_read(self, queue: str, leases: Iterable[tuple[str, int]]) -> Iterator[Columns]:
+    def lease_read(
+        self, queue: str, leases: Iterable[tuple[str, int]], hold_s: int = 0
+    ) -> Iterator[Columns]:
         """Reserves each (name, count) lease and yields what it holds, in order.
+
+        With `hold_s`, each lease holds its messages that many seconds after
+        it was last named (`/visibility=`), not the queue's visibility timeout.
 
         Asking again gives the same messages while the lease lives: a retried
         task reads exactly what the failed attempt read (and more, up to
         `count`, if that one had found the queue short).
         """
         name = queue.encode()
+        hold = b"/visibility=%d" % (hold_s * 1000) if hold_s else b""
         lines = (
-            (b"gets %b/lease=%b/n=%d\r\n" % (name, lease.encode(), n), None) for lease, n in leases
+            (b"gets %b/lease=%b/n=%d%b\r\n" % (name, lease.encode(), n, hold), None)
+            for lease, n in leases
         )
         for got in self._pipeline(lines, self._reply):
             if got.ids:

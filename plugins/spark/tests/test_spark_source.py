@@ -269,6 +269,10 @@ def test_stream_sink_moves_rows_between_queues(
         ({}, "mqd option queue is missing"),
         ({"queue": "x", "servers": "nohost"}, "mqd option servers: bad address 'nohost'"),
         ({"queue": "x", "limit": "-3"}, "mqd option limit='-3': must be a whole number >= 1"),
+        (
+            {"queue": "x", "lease_timeout": "0"},
+            "mqd option lease_timeout='0': must be a whole number from 1 to 604800",
+        ),
     ],
 )
 def test_bad_option_fails_at_load_naming_it(

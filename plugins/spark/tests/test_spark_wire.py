@@ -4,7 +4,9 @@ reads, NOT_STORED and error replies, and named leases."""
 
 from __future__ import annotations
 
+import time
 from contextlib import closing
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -133,3 +135,17 @@ def test_leases_read_again_acknowledge_and_give_back(memory_mqd: Daemon, q: str)
         conn.lease_abort(q, ["job-1"])
         assert conn.lease_ack(q, ["job-0", "job-1", "never"]) == 0
     assert take_all(memory_mqd, q) == bodies[10:20]  # given back; job-0's are gone
+
+
+def test_leases_hold_for_the_time_asked(tmp_path: Path, q: str) -> None:
+    """`hold_s` outlasts the queue's visibility timeout; a lease without it does not."""
+    with Daemon(tmp_path, config_text='[queues."*"]\nvisibility_timeout = 0.5\n') as daemon:
+        bodies = [b"%05d" % i for i in range(4)]
+        store(daemon, pa.RecordBatch.from_pydict({"body": pa.array(bodies)}), spec(q))
+        with closing(Connection(daemon.address)) as conn:
+            held = [c.bodies for c in conn.lease_read(q, [("long", 2)], hold_s=60)]
+            short = [c.bodies for c in conn.lease_read(q, [("short", 2)])]
+            assert held == [bodies[:2]] and short == [bodies[2:]]
+            time.sleep(1.5)
+            assert take_all(daemon, q) == bodies[2:]  # the short lease's came back
+            assert conn.lease_ack(q, ["long", "short"]) == 1
