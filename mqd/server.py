@@ -11,6 +11,7 @@ With `[metrics] port` set, Prometheus metrics are served (mqd.metrics).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 # Descriptors kept beyond those open at start: for the backend's files, and
 # (an eighth of the limit) for clients that are being refused.
 DESCRIPTOR_RESERVE = 64
+GC_YOUNG = 50_000  # allocations between passes of the cycle collector over young objects
 
 
 class Server:
@@ -249,6 +251,16 @@ class Server:
 
 def run(config: Config, backend: Backend, reload: Callable[[], Config] | None = None) -> None:
     """Serve until stopped, on uvloop when configured and installed."""
+    # Python's cycle collector looks at its youngest objects every 700
+    # allocations by default. The daemon allocates a few tracked objects per
+    # message (the message, a receipt, reply tuples) and keeps many of them
+    # (queued and leased messages), and those passes then cost as much as the
+    # work itself: on the memory backend, 1.2 of 2.2 us of CPU per message
+    # leased and acknowledged, 0.7 of 1.05 per message read by range, 0.7 of
+    # 2.6 per message stored. Fewer, larger passes keep cycles collected; what
+    # start-up made is frozen out of them.
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
     use_uvloop = config.loop in ("uvloop", "auto")
     if use_uvloop:
         try:
