@@ -69,15 +69,16 @@ class Put(enum.Enum):
 PUT_STORED = Put.STORED
 
 
-@dataclass(frozen=True, slots=True)
-class Receipt:
+class Receipt(NamedTuple):
     """Names one reservation and no other.
 
     A queue deleted and recreated has a new `incarnation`, and every reserve()
     a new `token`, so a receipt from a lease that was lost (expired and
     returned, or its queue deleted) never matches a later reservation, even of
     a message at the same offset. The messages one reserve_many() opens may
-    share a token: their offsets already tell them apart.
+    share a token: their offsets already tell them apart. A named tuple, not a
+    frozen dataclass: a bulk reservation makes one per message, and a tuple is
+    made in a third of the time.
     """
 
     queue: str
