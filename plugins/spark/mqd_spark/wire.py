@@ -7,7 +7,6 @@ together; the data source needs both, at bulk rates, over one socket per task.
 
 from __future__ import annotations
 
-import re
 import socket
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -71,7 +70,6 @@ class Columns(NamedTuple):
 
 
 # One VALUE line of a `gets` reply: flags, size, id (the key is ours, not parsed).
-_VALUE = re.compile(rb"VALUE [^ \r\n]+ ([0-9]+) ([0-9]+) ([0-9]+)\r\n")
 _STORED = b"STORED\r\n"
 
 
@@ -145,27 +143,34 @@ class Connection:
 
     def _columns(self, out: Columns) -> None:
         """Appends the id, flags and body of each VALUE of one `gets` reply, up to END."""
+        # A task spends most of its time in this loop: it splits each VALUE
+        # line (a third faster than a regular expression) and reads on in the
+        # buffer it has, until a line or a body is cut off by the end of it.
+        ids, flags, bodies = out.ids, out.flags, out.bodies
         while True:
             data, pos = self.data, self.pos
-            end = data.find(b"\r\n", pos)
-            if end < 0:
-                self._fill()
-                continue
-            match = _VALUE.match(data, pos, end + 2)
-            if match is None:
-                self.pos = end + 2
-                if end == pos + 3 and data.startswith(b"END", pos):
-                    return
-                raise self._error(data[pos:end].decode("utf-8", "replace"))
-            start = end + 2
-            stop = start + int(match[2])
-            if len(data) < stop + 2:
-                self._fill()  # the body is not all here yet: parse the line again after
-                continue
-            out.flags.append(int(match[1]))
-            out.ids.append(int(match[3]))
-            out.bodies.append(data[start:stop])
-            self.pos = stop + 2
+            find, size = data.find, len(data)
+            while (end := find(b"\r\n", pos)) >= 0:
+                head = data[pos:end]
+                fields = head.split(b" ")
+                if len(fields) != 5 or fields[0] != b"VALUE" or not fields[3].isdigit():
+                    self.pos = end + 2
+                    if head == b"END":
+                        return
+                    raise self._error(head.decode("utf-8", "replace"))
+                start = end + 2
+                stop = start + int(fields[3])
+                if size < stop + 2:
+                    break  # the body is not all here yet: parse the line again after
+                try:
+                    flags.append(int(fields[2]))
+                    ids.append(int(fields[4]))
+                except ValueError:
+                    raise self._error(head.decode("utf-8", "replace")) from None
+                bodies.append(data[start:stop])
+                pos = stop + 2
+            self.pos = pos
+            self._fill()
 
     def _reply(self, _: object = None) -> Columns:
         """One `gets` reply as columns."""
