@@ -3,7 +3,8 @@
 Producers send unique ids with `set` to any live daemon; consumers on every
 daemon take them with reliable reads (`get q/t=200/open`, then `get q/close`).
 While they run, daemon 0 is killed with SIGKILL (its open messages come back
-through the others after the visibility timeout) and daemon 1 is frozen with
+through the others after the visibility timeout) at a moment none of its
+consumers has a `close` on its way (see kill_holding_leases), and daemon 1 is frozen with
 SIGSTOP while it holds a queue's lock, kept frozen past the lock's lease while
 the others go on, and resumed: its commit must be refused or its write fenced
 off. Then the books must balance:
@@ -50,6 +51,9 @@ class Books:
         self.opened: Counter[bytes] = Counter()
         self.closed: Counter[bytes] = Counter()
         self.abandoned: set[bytes] = set()  # open on a connection that died
+        # Per daemon: `close`s sent and not yet answered, and whether it was killed.
+        self.closing: Counter[int] = Counter()
+        self.killed: set[int] = set()
         self.errors: list[str] = []
 
     def problems(self) -> list[str]:
@@ -95,7 +99,8 @@ def produce(daemons: list[Daemon], index: int, books: Books, stop: threading.Eve
             time.sleep(0.05)
 
 
-def consume(daemon: Daemon, books: Books, stop: threading.Event) -> None:
+def consume(daemons: list[Daemon], index: int, books: Books, stop: threading.Event) -> None:
+    daemon = daemons[index]
     client: Client | None = None
     while not stop.is_set():
         held = None
@@ -108,7 +113,15 @@ def consume(daemon: Daemon, books: Books, stop: threading.Event) -> None:
             with books.lock:
                 books.opened[held] += 1
             time.sleep(0.02)  # work on it: a kill now finds it open
-            assert client.get(f"{QUEUE}/close") is None
+            with books.lock:
+                if index in books.killed:
+                    raise ConnectionAbortedError("its daemon was killed")
+                books.closing[index] += 1
+            try:
+                assert client.get(f"{QUEUE}/close") is None
+            finally:
+                with books.lock:
+                    books.closing[index] -= 1
             with books.lock:
                 books.closed[held] += 1
         except (MemcacheUnexpectedCloseError, MemcacheServerError, OSError):
@@ -153,16 +166,31 @@ def lock_holder(node: Node, prefix: str) -> str:
     return str(bins.get("lo") or "") if bins.get("lx", 0) > time.time() * 1000 else ""
 
 
-def kill_holding_leases(daemon: Daemon, node: Node, prefix: str, owner: str) -> bool:
-    """SIGKILL `daemon` once it holds open messages; False if it never did in time."""
+def kill_holding_leases(
+    daemons: list[Daemon], index: int, books: Books, node: Node, prefix: str
+) -> bool:
+    """SIGKILL daemon `index` once it holds open messages; False if it never did in time.
+
+    Never while one of its consumers waits for the answer to a `close`: the
+    daemon may have removed that message and died before saying so, and a
+    message nobody can tell was closed or lost would leave the books unbalanced
+    either way. Killed between a `get` and its `close`, each message it held
+    stays open in the store and must come back through the others.
+    """
+    owner = f"d{index}"
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         leases = queue_state(node, prefix).get("open") or {}
         if any(lease[1] == owner for lease in leases.values()):
-            daemon.kill()
-            return True
+            with books.lock:
+                if not books.closing[index]:
+                    daemons[index].kill()
+                    books.killed.add(index)
+                    return True
         time.sleep(0.01)
-    daemon.kill()
+    with books.lock:
+        daemons[index].kill()
+        books.killed.add(index)
     return False
 
 
@@ -194,15 +222,15 @@ def test_three_daemons_one_killed_one_frozen_lose_and_double_nothing(
         threading.Thread(target=produce, args=(daemons, i, books, stop_producing)) for i in range(3)
     ]
     threads += [
-        threading.Thread(target=consume, args=(d, books, stop_consuming))
-        for d in daemons
+        threading.Thread(target=consume, args=(daemons, n, books, stop_consuming))
+        for n in range(len(daemons))
         for _ in range(2)
     ]
     try:
         for t in threads:
             t.start()
         time.sleep(1.0)
-        killed_holding = kill_holding_leases(daemons[0], aerospike_node, prefix, "d0")
+        killed_holding = kill_holding_leases(daemons, 0, books, aerospike_node, prefix)
         time.sleep(0.5)
         caught = freeze_holding_lock(daemons[1], aerospike_node, prefix, "d1")
         time.sleep(LEASE_MS / 1000 * 3)  # the others break its lock and go on
