@@ -1,6 +1,6 @@
 """The "mqd" PySpark data source: batch and streaming reads and writes over the wire.
 
-A peek reads by message id (`gets <q>/at=<id>`), so a Spark task that is
+A peek reads by message id (`gets <q>/at=<id>/n=<count>`), so a task that is
 retried reads exactly the rows it read before, and nothing leaves the queue.
 A drain reads through named leases (mqd_spark.leases): its rows leave the
 queue only once Spark reports that the job (mqd_spark.drain) or the
