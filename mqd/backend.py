@@ -33,7 +33,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, cast
 
-from mqd.eager import Together
+from mqd.eager import run_together
 from mqd.errors import BackendLoadError
 
 ENTRY_POINT_GROUP = "mqd.backends"
@@ -505,16 +505,8 @@ def _ignore(queue: str) -> None:
 
 
 async def _together(calls: list[Coroutine[Any, Any, bool]]) -> list[bool]:
-    """Run `calls`, each started now and in order: their results, or the first error.
-
-    Started at once, a backend that groups work arriving together (a group
-    commit, a batch round trip) serves them in one group, as it would when
-    the caller made the single calls together.
-    """
-    group = Together()
-    for call in calls:
-        group.start(call)
-    results: list[bool | BaseException] = await group.wait()
+    """run_together(calls), with the first error raised."""
+    results = await run_together(calls)
     for result in results:
         if isinstance(result, BaseException):
             raise result

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from mqd import protocol, stats
 from mqd.backend import (
@@ -42,7 +42,7 @@ from mqd.backend import (
     Sync,
 )
 from mqd.config import Config, QueueSettings
-from mqd.eager import Together
+from mqd.eager import run_together
 from mqd.errors import ClientError, NotSupported, ServerError, UnknownCommand
 from mqd.protocol import Key, Retrieve, Store
 from mqd.stats import Counters
@@ -786,19 +786,12 @@ class Broker:
         self._spawn(self._end_lease(state, lease))
 
     async def _together(self, calls: Sequence[Coroutine[Any, Any, T]]) -> list[T | Exception]:
-        """Run `calls` at once, each started in order: their results (or errors), in order.
-
-        Each is run now up to its first wait, so a store that commits in
-        groups commits them together, and in the order they were made.
-        """
-        group = Together()
-        for call in calls:
-            group.start(call)
-        results = await group.wait()
+        """run_together(calls), a cancellation raised: their results (or errors), in order."""
+        results = await run_together(calls)
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, Exception):
                 raise result  # cancelled
-        return results
+        return cast(list[T | Exception], results)  # no other BaseException: raised above
 
     # -- waiting -----------------------------------------------------------
 

@@ -7,7 +7,7 @@ finds a message), and creating a task for each costs more than the work.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from functools import partial
 from typing import Any, TypeVar
 
@@ -112,3 +112,15 @@ class Together:
         waiting_on._asyncio_future_blocking = False
         self._waiting[index] = waiting_on
         waiting_on.add_done_callback(partial(self._step, coro, index))
+
+
+async def run_together(calls: Iterable[Coroutine[Any, Any, T]]) -> list[T | BaseException]:
+    """Each of `calls` run at once, in order, up to its first wait: their results or errors.
+
+    A store that groups work arriving together (a group commit, a batch
+    round trip) so serves them in one group, in the order they were made.
+    """
+    group = Together()
+    for call in calls:
+        group.start(call)
+    return await group.wait()
