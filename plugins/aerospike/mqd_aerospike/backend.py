@@ -378,9 +378,9 @@ class AerospikeBackend(Backend):
         # One batch read of the shards' metadata, then one of the entries each
         # shard holds in the range: offset = local offset * shards + shard.
         shards = await self._shard_count(queue)
-        if shards is None:
-            return []
         offsets = range(max(first, 0), first + count)
+        if shards is None or not offsets:
+            return []
         touched = sorted({offset % shards for offset in offsets[:shards]})
         metas = await self._blocking(self._store.read_metas, name_bytes(queue), touched)
         wanted: dict[int, list[int]] = {}
