@@ -31,7 +31,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple, cast
+from typing import Any, ClassVar, NamedTuple, Protocol, cast
 
 from mqd.eager import run_together
 from mqd.errors import BackendLoadError
@@ -188,6 +188,41 @@ Wake = Callable[[str], None]
 Fanout = Callable[[str], Limits]
 
 
+class Pending:
+    """Answers a backend gave before they were durable: their holders hear when they are.
+
+    A backend that answers from a transaction it commits later (so that every
+    answer of a turn of the event loop shares one commit and one sync) makes
+    one Pending per such transaction, and ends it once the transaction is
+    synced as each call's `sync` asked, or with the error that undid it.
+    """
+
+    __slots__ = ("_released",)
+
+    def __init__(self) -> None:
+        self._released: list[Callable[[BaseException | None], None]] = []
+
+    def add(self, released: Callable[[BaseException | None], None]) -> None:
+        """Call `released` when this ends: with None, or with the error that voided it."""
+        self._released.append(released)
+
+    def end(self, error: BaseException | None) -> None:
+        released, self._released = self._released, []
+        for call in released:
+            call(error)
+
+
+class Holder(Protocol):
+    """A caller that can hold back what depends on an answer (a connection's replies)."""
+
+    def hold(self, pending: Pending) -> None:
+        """Send nothing that depends on answers given from now on until `pending` ends.
+
+        If it ends with an error, those answers are void: their puts were not
+        stored, their takes were undone (the messages wait again).
+        """
+
+
 class Backend(abc.ABC):
     """Durable storage of queues of messages, and the queue state daemons share.
 
@@ -207,6 +242,8 @@ class Backend(abc.ABC):
     name: ClassVar[str] = ""
     #: The optional abilities this backend has.
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
+    #: Whether put() and take() may answer a Holder before the answer is durable.
+    answers_held: ClassVar[bool] = False
 
     def __init__(self, options: StorageOptions) -> None:
         self.options = options
@@ -233,6 +270,7 @@ class Backend(abc.ABC):
         unique: bool = False,
         limits: Limits = NO_LIMITS,
         fanout: Fanout | None = None,
+        holder: Holder | None = None,
     ) -> Put:
         """Append `message` to `queue`, creating the queue; set `message.offset`.
 
@@ -250,14 +288,20 @@ class Backend(abc.ABC):
         exists: the queues named `<queue>+<child>`. Each copy is checked
         against the limits `fanout(child)` gives, and a full child refuses or
         drops for itself; the result speaks of `queue` alone.
+
+        With a `holder`, a backend may answer before the write is as durable
+        as `sync` asks, provided it first calls `holder.hold()` with the
+        Pending that says when it is. Backends that answer only once it is
+        (or that keep nothing on disk) ignore it.
         """
         raise NotImplementedError("Backend.put")
 
     @abc.abstractmethod
-    async def take(self, queue: str, *, sync: Sync) -> Message | None:
+    async def take(self, queue: str, *, sync: Sync, holder: Holder | None = None) -> Message | None:
         """Remove and return the head waiting message, its `deliveries` raised by one.
 
         None when the queue is empty or unknown; an unknown queue is not created.
+        A `holder` is as for put().
         """
         raise NotImplementedError("Backend.take")
 

@@ -33,6 +33,7 @@ from mqd.backend import (
     PUT_STORED,
     Backend,
     Capability,
+    Holder,
     Limits,
     Message,
     Put,
@@ -265,8 +266,8 @@ class Broker:
 
     # -- enqueue -----------------------------------------------------------
 
-    async def store(self, command: Store) -> Put:
-        """`set` or `add`: what the backend did with the message."""
+    async def store(self, command: Store, holder: Holder | None = None) -> Put:
+        """`set` or `add`: what the backend did with the message (`holder`: Backend.put's)."""
         self.counters.cmd_set += 1
         queue = command.queue
         state = self._queues.get(queue) or self.state(queue)
@@ -290,6 +291,7 @@ class Broker:
             unique=unique,
             limits=state.limits,
             fanout=self._fanout,
+            holder=holder,
         )
         if result is PUT_STORED:
             state.enqueued += 1
@@ -404,10 +406,13 @@ class Broker:
         """A fanout child's limits: its own settings, by its own name."""
         return self.state(child).limits
 
-    async def take(self, queue: str, *, counted: bool = True) -> Message | None:
+    async def take(
+        self, queue: str, *, counted: bool = True, holder: Holder | None = None
+    ) -> Message | None:
         """The head message of `queue`, or None: a plain `get <queue>`, counted as one get.
 
         Not `counted`: a key of a larger get, which counts its keys itself.
+        `holder`: as for Backend.take.
         """
         counters = self.counters
         if counted:
@@ -416,7 +421,7 @@ class Broker:
         if self._stamp:
             state.used = time.monotonic()
         while True:
-            message = await self.backend.take(queue, sync=state.settings.sync)
+            message = await self.backend.take(queue, sync=state.settings.sync, holder=holder)
             if message is None:
                 if "+" in queue:
                     # A fanout child comes into being the first time it is named.

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from mqd import __version__, protocol
-from mqd.backend import PUT_STORED, Put
+from mqd.backend import PUT_STORED, Pending, Put
 from mqd.broker import Session
 from mqd.eager import Together, finish
 from mqd.errors import ProtocolError, ServerError, StorageError, UnknownCommand
@@ -86,6 +86,10 @@ class Connection(asyncio.Protocol):
         self.out_bytes = 0
         self._writable: asyncio.Future[None] | None = None
         self._reading_paused = False
+        # Replies held until the backend says what they answer is durable
+        # (mqd.backend.Holder): from this index of `out` on, while `_held`.
+        self._held: Pending | None = None
+        self._held_from = 0
 
     # -- asyncio.Protocol ----------------------------------------------------
 
@@ -240,7 +244,7 @@ class Connection(asyncio.Protocol):
                 # through _execute: one coroutine fewer for each.
                 elif kind is Store:
                     try:
-                        stored = await broker.store(command)  # type: ignore[arg-type]
+                        stored = await broker.store(command, self)  # type: ignore[arg-type]
                     except Exception as error:
                         reply = self._failure(command, error)
                     else:
@@ -257,7 +261,7 @@ class Connection(asyncio.Protocol):
                 ):
                     key = keys[0]
                     try:
-                        message = await broker.take(key.queue)
+                        message = await broker.take(key.queue, holder=self)
                     except Exception as error:
                         reply = self._failure(command, error)
                     else:
@@ -356,7 +360,9 @@ class Connection(asyncio.Protocol):
                     group.start(broker.store(command))
                 elif isinstance(command, Retrieve):
                     group.start(broker.retrieve(command, self.session))
-        if not group.waited:
+        if not group.waited or self.broker.backend.answers_held:
+            # Nothing waited, or the next command may run at once, its reply
+            # held: one command after another costs less then.
             self.server.overlap = False
         results = await group.wait()
         for command, result in zip(commands, results, strict=True):
@@ -394,8 +400,32 @@ class Connection(asyncio.Protocol):
         if self.out_bytes >= FLUSH_AT:
             self.flush()
 
+    def hold(self, pending: Pending) -> None:
+        """The replies from here on wait for `pending` (mqd.backend.Holder)."""
+        if self._held is None:
+            self._held = pending
+            self._held_from = len(self.out)
+            pending.add(self._released)
+
+    def _released(self, error: BaseException | None) -> None:
+        """What the held replies answer is durable; or it was undone, and each says why."""
+        self._held = None
+        if error is not None:
+            out = self.out
+            if not isinstance(error, StorageError):
+                error = StorageError(str(error))
+            line = protocol.error_line(error)
+            for index in range(self._held_from, len(out)):
+                out[index] = line
+            self.server.storage_failed(
+                "storage error in %s: %s", self.server.config.data_dir, error
+            )
+        self.flush()
+
     def flush(self) -> None:
-        """Send every reply gathered so far."""
+        """Send every reply gathered so far (held replies once they are released)."""
+        if self._held is not None:
+            return
         out = self.out
         if out and self.transport is not None and not self.closed:
             self.transport.write(b"".join(out))  # one reply: join returns it, no copy

@@ -24,6 +24,7 @@ from mqd.backend import (
     Backend,
     Capability,
     Fanout,
+    Holder,
     Lease,
     Limits,
     Message,
@@ -249,6 +250,7 @@ class MemoryBackend(Backend):
         unique: bool = False,
         limits: Limits = NO_LIMITS,
         fanout: Fanout | None = None,
+        holder: Holder | None = None,
     ) -> Put:
         q = self._queues.get(queue)
         if q is None:
@@ -284,7 +286,7 @@ class MemoryBackend(Backend):
         if self._store.shared:
             self._store.arrived(child, self)
 
-    async def take(self, queue: str, *, sync: Sync) -> Message | None:
+    async def take(self, queue: str, *, sync: Sync, holder: Holder | None = None) -> Message | None:
         q = self._queues.get(queue)
         if q is None or not q.waiting:
             return None

@@ -98,8 +98,8 @@ class GroupCommit(MemoryBackend):
         await self._flush_later(f"put {queue} {message.body.decode()}")
         return result
 
-    async def take(self, queue: str, *, sync: Sync) -> Message | None:
-        message = await super().take(queue, sync=sync)
+    async def take(self, queue: str, **options: Any) -> Message | None:
+        message = await super().take(queue, **options)
         await self._flush_later(f"take {queue}")
         return message
 

@@ -24,6 +24,7 @@ from mqd.backend import (
     Backend,
     Capability,
     Fanout,
+    Holder,
     Limits,
     Message,
     Put,
@@ -160,6 +161,7 @@ class AerospikeBackend(Backend):
         unique: bool = False,
         limits: Limits = NO_LIMITS,
         fanout: Fanout | None = None,
+        holder: Holder | None = None,
     ) -> Put:
         if unique:
             raise StorageError("unique not supported by backend aerospike")
@@ -246,7 +248,7 @@ class AerospikeBackend(Backend):
         self._homes[queue] = home = self._turn % shards
         return home
 
-    async def take(self, queue: str, *, sync: Sync) -> Message | None:
+    async def take(self, queue: str, *, sync: Sync, holder: Holder | None = None) -> Message | None:
         return await self._dequeue(queue, TakeOp)
 
     async def reserve(self, queue: str, *, lease: float, sync: Sync) -> Message | None:

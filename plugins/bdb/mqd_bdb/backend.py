@@ -1,8 +1,10 @@
 """The three Berkeley DB backends, as the broker sees them.
 
-Each call becomes one job for the environment's worker thread and one future
-to await; the gauges size(), sizes() and queues() answer from are published
-by the worker after every batch, so they cost no trip to the thread.
+A plain put or take with a holder runs at once on the event loop when it can
+(mqd_bdb.worker, rounds); every other call becomes one job for the
+environment's worker thread and one future to await. The gauges size(),
+sizes() and queues() answer from are published after every batch and round,
+so they cost no trip to the thread.
 
 These backends are not Capability.SHARED: one daemon holds the data
 directory (flock on LOCK), so the broker wakes its own waiters and listen()
@@ -23,6 +25,7 @@ from mqd.backend import (
     Backend,
     Capability,
     Fanout,
+    Holder,
     Limits,
     Message,
     Put,
@@ -53,6 +56,7 @@ INSTALL_HINT = (
 class _BdbBackend(Backend):
     """A Berkeley DB environment in `options.data_dir`, worked by one thread."""
 
+    answers_held = True
     #: The module in mqd_bdb and the Store class in it that lay out the messages.
     layout: ClassVar[tuple[str, str]] = ("", "")
 
@@ -119,6 +123,13 @@ class _BdbBackend(Backend):
             loop.call_soon(self._send)
         return future
 
+    def _now(self, op: int, queue: str, arg: Any, sync: Sync, holder: Holder) -> Any:
+        """Run a job at once, its reply held (Worker.run_now); jobs.LATER if it can't be."""
+        worker = self._worker
+        if worker is None or self._outbox:  # jobs made before it go first
+            return jobs.LATER
+        return worker.run_now((op, queue, arg, sync, None), holder)
+
     def _send(self) -> None:
         outbox, self._outbox = self._outbox, []
         if outbox and self._worker is not None:
@@ -167,16 +178,25 @@ class _BdbBackend(Backend):
         unique: bool = False,
         limits: Limits = NO_LIMITS,
         fanout: Fanout | None = None,
+        holder: Holder | None = None,
     ) -> Put:
         children = None
         if fanout is not None and queue in self._children:
             # `fanout` reads the daemon's settings: call it here, on the loop.
             children = {child: fanout(child) for child in self._children[queue]}
         arg = (message, unique, limits, children)
+        if holder is not None:
+            now: Put = self._now(jobs.PUT, queue, arg, sync, holder)
+            if now is not jobs.LATER:
+                return now
         result: Put = await self._call(jobs.PUT, queue, arg, sync)
         return result
 
-    async def take(self, queue: str, *, sync: Sync) -> Message | None:
+    async def take(self, queue: str, *, sync: Sync, holder: Holder | None = None) -> Message | None:
+        if holder is not None:
+            now: Message | None = self._now(jobs.TAKE, queue, None, sync, holder)
+            if now is not jobs.LATER:
+                return now
         result: Message | None = await self._call(jobs.TAKE, queue, None, sync)
         return result
 

@@ -44,26 +44,25 @@ class DeferredPuts(BodyIndex):
         super().__init__(*args)
         self._deferred: dict[str, Deferred] = {}  # by queue name, in the running batch
 
-    def _run(self, txn: Any, segment: list[jobs.Job]) -> list[Any]:
+    def _start_run(self) -> None:
         # What an aborted transaction deferred went with it: start afresh.
-        deferred = self._deferred = {}
-        ops = self._ops
-        values: list[Any] = []
-        put, take = jobs.PUT, jobs.TAKE
-        for op, name, arg, _, _ in segment:
-            if deferred and op != put:
-                if op == take:
-                    pair = deferred.get(name)
-                    # Whatever waits on disk is older than every deferred put.
-                    if pair is not None and pair[0].items - pair[0].open == len(pair[1]):
-                        values.append(self._take_deferred(name))
-                        continue
-                else:
-                    self._write_deferred(txn, None if op in ANY_QUEUE else name)
-            values.append(ops[op](txn, name, arg))
-        if deferred:
+        self._deferred = {}
+
+    def _run_job(self, txn: Any, op: int, name: str, arg: Any) -> Any:
+        deferred = self._deferred
+        if deferred and op != jobs.PUT:
+            if op == jobs.TAKE:
+                pair = deferred.get(name)
+                # Whatever waits on disk is older than every deferred put.
+                if pair is not None and pair[0].items - pair[0].open == len(pair[1]):
+                    return self._take_deferred(name)
+            else:
+                self._write_deferred(txn, None if op in ANY_QUEUE else name)
+        return self._ops[op](txn, name, arg)
+
+    def _end_run(self, txn: Any) -> None:
+        if self._deferred:
             self._write_deferred(txn, None)
-        return values
 
     def put(
         self, txn: Any, name: str, arg: tuple[Message, bool, Limits, ChildLimits | None]

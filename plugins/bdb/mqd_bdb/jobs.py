@@ -65,3 +65,6 @@ Job = tuple[int, str, Any, Sync | None, "asyncio.Future[Any] | None"]
 
 #: (job, error or None, value): what the worker reports for each job.
 Result = tuple[Job, BaseException | None, Any]
+
+#: What a job run on the event loop gives when it has to go to the worker thread.
+LATER: Any = object()

@@ -27,6 +27,7 @@ class PerQueueStore(FifoStore):
     """`bdb`: per queue a B-tree file of messages and a Hash file of body digests."""
 
     barrier_ops = frozenset({jobs.DELETE, jobs.EXPIRE_IDLE})  # dbremove needs handles closed
+    files_per_queue = True
     catalog_file = "catalog.db"
 
     def __init__(self, data_dir: Path, config: BdbConfig) -> None:

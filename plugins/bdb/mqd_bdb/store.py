@@ -46,11 +46,44 @@ class Store(Catalog):
         super().__init__(*args)
         self._compacted = self._checkpointed = 0.0
         self.paired = 0  # puts a take handed out in their own batch, never written (for tests)
+        self._opened: tuple[dict[str, Any], int] = ({}, 0)  # the open transaction's undo
         self._ops: dict[int, Callable[[Any, str, Any], Any]] = {
             op: getattr(self, method)
             for op, method in jobs.METHODS.items()
             if hasattr(self, method)  # read_at, read_range: the FIFO layouts only
         }
+
+    #: Whether a new queue gets files of its own (creating them may sync).
+    files_per_queue: ClassVar[bool] = False
+
+    def quick(self, job: jobs.Job) -> bool:
+        """Whether `job` may run on the event loop: a plain put, a take or an ack, no file to open.
+
+        What stays off the loop: every other job; a put that opens or creates
+        files, counts a queue's bodies, drops the oldest message, copies to
+        fanout children, or is weighed against the disk; and recovery.
+        """
+        op = job[0]
+        if self.panicked or self.space.out or self.space.max_disk_bytes:
+            return False
+        q = self.queues.get(job[1])
+        if op == jobs.TAKE or op == jobs.ACK:
+            return q is None or q.mdb is not None
+        if op != jobs.PUT:
+            return False
+        if q is None:
+            if self.files_per_queue:
+                return False
+        elif q.mdb is None:
+            return False
+        _, unique, limits, children = job[2]
+        return not (unique or children is not None or limits.max_items or limits.max_bytes)
+
+    def upkeep_due(self) -> bool:
+        """Whether trim(), upkeep() or purge_step() has work now (asked after a round)."""
+        if self.purges or self.space.out:
+            return True
+        return bool(self.emptied or self.freed) and time.monotonic() - self._compacted >= LOOK_S
 
     def execute(
         self, batch: list[jobs.Job], results: list[jobs.Result], published: dict[str, Any]
@@ -122,29 +155,63 @@ class Store(Catalog):
         raise StorageError("could not count the queue's messages")
 
     def _transaction(self, segment: list[jobs.Job], published: dict[str, Any]) -> list[Any]:
-        touched = self._begin()
-        self.now = time.time()
-        next_qid = self.next_qid
-        txn = self.env.txn_begin()
+        txn = self.begin()
         try:
-            values = self._run(txn, segment)
+            values = [self._run_job(txn, op, name, arg) for op, name, arg, _, _ in segment]
+        except BaseException as exc:
+            self.abort(txn, exc)
+            raise
+        self.commit(txn, published)
+        return values
+
+    # A transaction that jobs run in one at a time: a batch's (above), or a
+    # round of quick jobs run on the event loop as they come (mqd_bdb.worker).
+
+    def begin(self) -> Any:
+        """Open a transaction for jobs to run in (run_job); end it with commit() or abort()."""
+        self._opened = (self._begin(), self.next_qid)
+        self.now = time.time()
+        txn = self.env.txn_begin()
+        self._start_run()
+        return txn
+
+    def run_job(self, txn: Any, job: jobs.Job) -> Any:
+        """The value of one job, run in the open transaction `txn`."""
+        return self._run_job(txn, job[0], job[1], job[2])
+
+    def commit(self, txn: Any, published: dict[str, Any]) -> None:
+        """Write what the jobs left to write, commit (no sync), publish the gauges they changed.
+
+        If that fails, it is all undone (abort) and the error raised.
+        """
+        touched, next_qid = self._opened
+        try:
+            self._end_run(txn)
             if touched or self.next_qid != next_qid:
                 self._write_meta(txn, next_qid)
             txn.commit()
         except BaseException as exc:
-            if isinstance(exc, db.DBRunRecoveryError):
-                self.panicked = True
-            with contextlib.suppress(Exception):  # a failed commit ended it already
-                txn.abort()
-            self._undo(touched, next_qid)
+            self.abort(txn, exc)
             raise
         self._committed(published)
-        return values
 
-    def _run(self, txn: Any, segment: list[jobs.Job]) -> list[Any]:
-        """The value of each job of `segment`, run in order in `txn`."""
-        ops = self._ops
-        return [ops[job[0]](txn, job[1], job[2]) for job in segment]
+    def abort(self, txn: Any, exc: BaseException | None = None) -> None:
+        """Undo the open transaction: in the files and in the catalog's memory."""
+        if isinstance(exc, db.DBRunRecoveryError):
+            self.panicked = True
+        with contextlib.suppress(Exception):  # a failed commit ended it already
+            txn.abort()
+        touched, next_qid = self._opened
+        self._undo(touched, next_qid)
+
+    def _start_run(self) -> None:
+        """A transaction opened: jobs are about to run in it."""
+
+    def _run_job(self, txn: Any, op: int, name: str, arg: Any) -> Any:
+        return self._ops[op](txn, name, arg)
+
+    def _end_run(self, txn: Any) -> None:
+        """The jobs of a transaction ran: write what they left for the end."""
 
     def trim(self) -> None:
         """Between batches: give back resources held beyond the configured limits."""

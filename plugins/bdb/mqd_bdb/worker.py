@@ -1,6 +1,17 @@
-"""The threads that do an environment's Berkeley DB work.
+"""Where an environment's Berkeley DB work runs: the event loop and two threads.
 
-The event loop hands jobs over in bundles and awaits their futures. The worker
+A plain put or take whose caller holds its reply back (a connection, see
+mqd.backend.Holder) runs at once on the event loop, when the store is free,
+in a transaction left open for the rest of that turn of the loop: a round.
+At the end of the turn the round commits, the log is synced once if any of
+its jobs asked for `Sync.ALWAYS`, and its holders send their replies, or
+replace them by the error if the round failed (it was then undone). That is
+a group commit with no thread hand-off and no future per job: what a
+pipeline or many connections send in one turn shares one commit and one
+sync, and the sync's wait is the only one.
+
+Everything else goes to the worker thread: the event loop hands jobs over in
+bundles and awaits their futures. The worker
 takes whatever has arrived (up to `max_batch` jobs) and runs it in one
 transaction, committed without a sync. If a job asked for `Sync.ALWAYS`, the
 log is synced once for the batch before any result is handed back (group
@@ -14,7 +25,11 @@ Between batches the worker closes idle files and purges deleted queues. A
 second thread, the keeper, syncs the log for `Sync.PERIODIC`, writes dirty
 pages out ahead of time and checkpoints, so that none of that stalls the
 worker; it uses the environment alone (opened DB_THREAD for it), never a
-database handle.
+database handle. The store itself is used by one thread at a time, under
+`Worker.lock`: the worker thread holds it for each of its rounds and its
+housekeeping, the event loop for a round (it never waits for it: a job that
+finds the store busy goes to the thread, as does every job made while the
+thread has jobs of the loop's not yet answered, so jobs run in the order made).
 """
 
 from __future__ import annotations
@@ -25,10 +40,10 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from mqd.backend import Message, QueueSize, Sync
+from mqd.backend import Holder, Message, Pending, QueueSize, Sync
 from mqd_bdb import jobs
 from mqd_bdb.errors import storage_error
 from mqd_bdb.space import is_disk_full
@@ -49,6 +64,26 @@ Published = dict[str, QueueSize | None]
 Deliver = Callable[[list[jobs.Result], Published], None]
 
 
+#: A committed round awaiting its sync: (sync number or 0, round, results, gauges, error).
+Unsynced = tuple[int, "Round", list[jobs.Result], Published, BaseException | None]
+
+
+class Round:
+    """Quick jobs run on the event loop in one transaction, until the turn ends."""
+
+    __slots__ = ("error", "pending", "periodic", "results", "taken", "txn", "value", "writers")
+
+    def __init__(self, txn: Any) -> None:
+        self.txn = txn
+        self.pending = Pending()  # the holders of its answers
+        self.results: list[jobs.Result] = []  # of the jobs with futures, answered at the end
+        self.value: Any = None  # the last held job's
+        self.taken: list[tuple[jobs.Job, Message]] = []  # given back if the sync fails
+        self.writers = 0  # its jobs that asked for Sync.ALWAYS
+        self.periodic = False  # whether any asked for Sync.PERIODIC
+        self.error: BaseException | None = None  # a job failed: the round is undone
+
+
 class Worker:
     """Runs `store` on a thread of its own; `deliver` is called on `loop` with results."""
 
@@ -67,6 +102,15 @@ class Worker:
         self.inbox: queue.SimpleQueue[list[jobs.Job]] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="mqd-bdb", daemon=True)
         self._keeper = threading.Thread(target=self._keep, name="mqd-bdb-keeper", daemon=True)
+        self._syncer = threading.Thread(target=self._sync, name="mqd-bdb-sync", daemon=True)
+        # Rounds committed and awaiting the sync that covers them, in order
+        # (with their sync number, 0 for those that need none but must not
+        # answer before the ones ahead of them); the sync thread's target.
+        self._unsynced: deque[Unsynced] = deque()
+        self._seq = 0
+        self._sync_cond = threading.Condition(threading.Lock())
+        self._sync_want = 0
+        self._sync_stop = False
         # The keeper's state, under its condition: the environment is used by
         # it only while `_env_open`; changes since it last looked; when
         # periodic writes must be synced by.
@@ -77,6 +121,9 @@ class Worker:
         self._keeper_stop = False
         self._busy = False
         self._ready: deque[jobs.Job] = deque()  # taken from the inbox, not yet run
+        self.lock = threading.Lock()  # held by whoever uses the store (see above)
+        self._loop_round: Round | None = None  # the event loop's open round
+        self._outstanding = 0  # jobs handed to the thread, not yet answered
         self._opened: asyncio.Future[dict[str, QueueSize]] | None = None
         self._expected = 0  # writers the last sync answered
         self._sync_s = 0.0  # how long a sync takes, on average
@@ -84,6 +131,7 @@ class Worker:
         self.batches = 0
         self.jobs = 0
         self.flushes = 0
+        self.rounds = 0  # rounds run on the event loop
 
     # -- loop side -----------------------------------------------------------
 
@@ -103,8 +151,173 @@ class Worker:
             await asyncio.to_thread(self.thread.join)
 
     def submit(self, bundle: list[jobs.Job]) -> None:
-        """Hand jobs to the worker, in order."""
+        """Run jobs, in order: in this turn's round if they are quick, else on the thread.
+
+        Their futures are answered once the round (or the thread's batch) is
+        synced; should the round fail, the thread runs them again, where a
+        failing job fails alone.
+        """
+        r = self._here(bundle)
+        if r is None:
+            self._hand_over(bundle)
+            return
+        for index, job in enumerate(bundle):
+            if not self._run_in(r, job):
+                # The rest waits for the round's end, and is run again with it.
+                r.results.extend((later, None, None) for later in bundle[index + 1 :])
+                return
+
+    def _hand_over(self, bundle: list[jobs.Job]) -> None:
+        self._outstanding += len(bundle)
         self.inbox.put(bundle)
+
+    def _delivered(self, results: list[jobs.Result], published: Published) -> None:
+        self._outstanding -= sum(1 for result in results if result[0][4] is not None)
+        self.deliver(results, published)
+
+    def run_now(self, job: jobs.Job, holder: Holder) -> Any:
+        """Run a quick job here, in this turn's round: its value, or jobs.LATER if it can't.
+
+        A job that fails raises its StorageError, and voids the round.
+        """
+        r = self._here((job,))
+        if r is None:
+            return jobs.LATER
+        holder.hold(r.pending)
+        if not self._run_in(r, job, held=True):
+            assert r.error is not None
+            raise r.error
+        return r.value
+
+    def _here(self, bundle: Sequence[jobs.Job]) -> Round | None:
+        """This turn's round, opened if need be, if `bundle` may run in it; else None."""
+        store = self.store
+        r = self._loop_round
+        if r is not None:
+            return r if r.error is None and all(map(store.quick, bundle)) else None
+        # Jobs the thread has not answered go first; the thread may hold the store.
+        if self._outstanding or not self.lock.acquire(blocking=False):
+            return None
+        try:
+            if not all(map(store.quick, bundle)):
+                self.lock.release()
+                return None
+            txn = store.begin()
+        except BaseException:
+            self.lock.release()
+            raise
+        r = self._loop_round = Round(txn)
+        self.loop.call_soon(self._end_round)
+        return r
+
+    def _run_in(self, r: Round, job: jobs.Job, held: bool = False) -> bool:
+        """Run `job` in round `r`; False if it failed (and so voided the round)."""
+        try:
+            value = self.store.run_job(r.txn, job)
+        except Exception as exc:
+            r.error = storage_error(exc)
+            if not held:
+                r.results.append((job, None, None))
+            return False
+        sync = job[3]
+        if sync is ALWAYS:
+            r.writers += 1
+        elif sync is PERIODIC:
+            r.periodic = True
+        if held:
+            r.value = value
+            if value is not None and job[0] == jobs.TAKE:
+                r.taken.append((job, value))
+        else:
+            r.results.append((job, None, value))
+        self.jobs += 1
+        return True
+
+    def _end_round(self) -> None:
+        """The turn is over: commit the round, sync it if asked, answer it."""
+        r, self._loop_round = self._loop_round, None
+        assert r is not None
+        store = self.store
+        published: Published = {}
+        error = r.error
+        committed = False
+        try:
+            if error is None:
+                store.commit(r.txn, published)
+                committed = True
+            else:
+                store.abort(r.txn)
+        except Exception as exc:
+            error = storage_error(exc)
+            if is_disk_full(exc):
+                store.space.release()  # room for what frees space; puts are refused
+        finally:
+            self.lock.release()
+        self.rounds += 1
+        results = r.results
+        if not committed and results:
+            # Undone: the thread runs them again, each failing alone if it must.
+            self._hand_over([result[0] for result in results])
+            results = []
+        if store.upkeep_due():
+            self.inbox.put([])  # the thread's housekeeping: it looks between bundles
+        if committed and r.writers:
+            # The sync thread syncs the log while the loop goes on: the next
+            # round runs meanwhile, and its sync covers all that came since.
+            self._seq += 1
+            self._unsynced.append((self._seq, r, results, published, None))
+            with self._sync_cond:
+                self._sync_want = self._seq
+                self._sync_cond.notify()
+        elif self._unsynced:
+            self._unsynced.append((0, r, results, published, error))  # after those ahead
+        else:
+            self._answer(r, results, published, error)
+
+    def _synced(self, done: int, error: BaseException | None) -> None:
+        """The log is synced up to round `done` (or could not be): answer those rounds."""
+        unsynced = self._unsynced
+        while unsynced and unsynced[0][0] <= done:
+            seq, r, results, published, failed = unsynced.popleft()
+            if seq and error is not None:
+                for job, message in r.taken:
+                    self.give_back(job, message)
+                results = self._unflushed(results, error)
+                failed = error
+            self._answer(r, results, published, failed)
+        self._note(error is None, False)
+
+    def _answer(
+        self,
+        r: Round,
+        results: list[jobs.Result],
+        published: Published,
+        error: BaseException | None,
+    ) -> None:
+        self._note(False, r.periodic)
+        if results or published:
+            self.deliver(results, published)
+        r.pending.end(error)
+
+    def _sync(self) -> None:
+        """The sync thread: sync the log whenever the loop asks, then tell it."""
+        cond = self._sync_cond
+        done = 0
+        while True:
+            with cond:
+                while self._sync_want <= done and not self._sync_stop:
+                    cond.wait()
+                if self._sync_want <= done:
+                    return
+                target = self._sync_want
+            error: BaseException | None = None
+            try:
+                self.store.flush()
+                self.flushes += 1
+            except Exception as exc:
+                error = storage_error(exc)
+            done = target
+            self._post(self._synced, target, error)
 
     def give_back(self, job: jobs.Job, value: Any) -> None:
         """Undo a take or reserve whose result nobody will see."""
@@ -136,6 +349,7 @@ class Worker:
             return
         self._env_open = True
         self._keeper.start()
+        self._syncer.start()
         self._post(_settle, opened, None, sizes)
         self._serve()
 
@@ -153,25 +367,32 @@ class Worker:
         return True
 
     def _serve(self) -> None:
-        store = self.store
         while True:
-            idle = not self._ready and not self._take(0.0 if store.purges else None)
-            try:
-                if not idle:
-                    synced, periodic, stop = self._round()
-                    self._note(synced, periodic)
-                    if stop is not None:
-                        self._close(stop)
-                        return
-                store.trim()
-                store.upkeep()
-                if idle and store.purges:
-                    store.purge_step()
-            except Exception:
-                # Never let the thread die: the jobs of a batch were answered
-                # already; this is housekeeping, to be tried again.
-                log.exception("Berkeley DB housekeeping failed")
-                time.sleep(0.01)
+            idle = not self._ready and not self._take(0.0 if self.store.purges else None)
+            with self.lock:
+                if self._serve_once(idle):
+                    return
+
+    def _serve_once(self, idle: bool) -> bool:
+        """Run what is ready (if anything), then housekeeping; True once the store is closed."""
+        store = self.store
+        try:
+            if self._ready:
+                synced, periodic, stop = self._round()
+                self._note(synced, periodic)
+                if stop is not None:
+                    self._close(stop)
+                    return True
+            store.trim()
+            store.upkeep()
+            if idle and store.purges:
+                store.purge_step()
+        except Exception:
+            # Never let the thread die: the jobs of a batch were answered
+            # already; this is housekeeping, to be tried again.
+            log.exception("Berkeley DB housekeeping failed")
+            time.sleep(0.01)
+        return False
 
     def _note(self, synced: bool, periodic: bool) -> None:
         """Tell the keeper about a round: changes to checkpoint, periodic writes to sync."""
@@ -221,7 +442,7 @@ class Worker:
             except Exception as exc:
                 results = self._unflushed(results, storage_error(exc))
         if results or published:
-            self._post(self.deliver, results, published)
+            self._post(self._delivered, results, published)
         return writers > 0, periodic, stop
 
     def _batch(
@@ -282,10 +503,11 @@ class Worker:
 
     def _close(self, stop: jobs.Job) -> None:
         log.debug(
-            "Berkeley DB worker: %d jobs in %d batches, %d log syncs of %.0f us, "
-            "%d puts taken in their own batch",
+            "Berkeley DB worker: %d jobs in %d batches and %d rounds on the event loop, "
+            "%d log syncs of %.0f us, %d puts taken in their own batch",
             self.jobs,
             self.batches,
+            self.rounds,
             self.flushes,
             self._sync_s * 1e6,
             self.store.paired,
@@ -295,6 +517,10 @@ class Worker:
             self._env_open = False
             self._keeper_cond.notify()
         self._keeper.join()
+        with self._sync_cond:
+            self._sync_stop = True
+            self._sync_cond.notify()
+        self._syncer.join()  # after the last sync the loop asked for
         error: BaseException | None = None
         try:
             self.store.close()
