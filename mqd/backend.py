@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 import difflib
 import enum
+import logging
 import secrets
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from typing import Any, ClassVar, NamedTuple, Protocol, cast
 
 from mqd.eager import run_together
 from mqd.errors import BackendLoadError
+
+log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "mqd.backends"
 
@@ -209,7 +212,10 @@ class Pending:
     def end(self, error: BaseException | None) -> None:
         released, self._released = self._released, []
         for call in released:
-            call(error)
+            try:
+                call(error)
+            except Exception:  # one holder's fault must not keep the others waiting
+                log.exception("releasing held answers failed")
 
 
 class Holder(Protocol):

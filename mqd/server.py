@@ -55,8 +55,9 @@ class Server:
         self.auth_failures = Throttled(log, logging.WARNING)
         self.storage_failed = Throttled(log, logging.ERROR)
         self.max_connections = config.max_connections  # lowered to fit the descriptor limit
-        # Whether pipelined sets and gets are started together (see Connection._run_group).
-        self.overlap = True
+        # Whether pipelined sets and gets are started together (see
+        # Connection._run_group); not while they may run at once, replies held.
+        self.overlap = not backend.answers_held
         self.refused = Throttled(log, logging.WARNING)
         self._slow = Throttled(log, logging.INFO)
         self.connections: set[Connection] = set()

@@ -10,7 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mqd.backend import Capability, Message, Put, Receipt, StorageOptions, Sync
+from mqd.backend import (
+    Capability,
+    Holder,
+    Message,
+    Pending,
+    Put,
+    Receipt,
+    StorageOptions,
+    Sync,
+)
 from mqd.backends.memory import MemoryBackend
 from mqd.config import Config
 from mqd.connection import Connection
@@ -263,3 +272,75 @@ def test_any_split_gives_the_same_replies(parts: list[bytes], data: st.DataObjec
 
 def _stable(reply: bytes) -> bytes:
     return b"\n".join(line for line in reply.split(b"\n") if b"_age_ms" not in line)
+
+
+class Holding(MemoryBackend):
+    """A memory backend that answers holders at once and releases them at the turn's end.
+
+    As the Berkeley DB backends do with a round: `fail` is the error the
+    release carries (the round undone), and `seen` what the client had been
+    sent at each release.
+    """
+
+    name = "holding"
+    answers_held = True
+
+    def __init__(self, options: StorageOptions) -> None:
+        super().__init__(options)
+        self.fail: BaseException | None = None
+        self.seen: list[bytes] = []
+        self.transport = FakeTransport()
+        self._pending: Pending | None = None
+
+    def _hold(self, holder: Holder | None) -> None:
+        if holder is None:
+            return
+        if self._pending is None:
+            self._pending = Pending()
+            asyncio.get_running_loop().call_soon(self._release)
+        holder.hold(self._pending)
+
+    def _release(self) -> None:
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        self.seen.append(bytes(self.transport.written))
+        pending.end(self.fail)
+
+    async def put(self, queue: str, message: Message, **options: Any) -> Put:
+        self._hold(options.get("holder"))
+        return await super().put(queue, message, **options)
+
+    async def take(self, queue: str, **options: Any) -> Message | None:
+        self._hold(options.get("holder"))
+        return await super().take(queue, **options)
+
+
+def test_held_replies_go_out_on_release_or_become_the_error() -> None:
+    async def main() -> None:
+        backend = Holding(StorageOptions())
+        server = Server(Config(backend="memory"), backend)
+        server.loop = asyncio.get_running_loop()
+        await server.broker.start()
+        connection = Connection(server)
+        transport = backend.transport
+        connection.connection_made(transport)  # type: ignore[arg-type]
+
+        async def send(data: bytes) -> bytes:
+            before = len(transport.written)
+            releases = len(backend.seen)
+            connection.data_received(data)
+            assert len(transport.written) == before  # held: nothing sent yet
+            while len(backend.seen) == releases:
+                await asyncio.sleep(0)
+            assert len(backend.seen[-1]) == before  # nor at the release itself
+            return bytes(transport.written[before:])
+
+        ok = await send(b"set q 0 0 1\r\na\r\nset q 0 0 1\r\nb\r\nget q\r\n")
+        assert ok == b"STORED\r\nSTORED\r\nVALUE q 0 1\r\na\r\nEND\r\n"
+        backend.fail = StorageError("disk full")
+        voided = await send(b"set q 0 0 1\r\nc\r\nget q\r\nset q 0 0 1 noreply\r\nd\r\n")
+        assert voided == b"SERVER_ERROR disk full\r\n" * 2  # noreply stays silent
+        backend.fail = None  # (this fake undoes nothing; the connection goes on)
+        assert await send(b"set q 0 0 1\r\ne\r\n") == b"STORED\r\n"
+
+    asyncio.run(main())

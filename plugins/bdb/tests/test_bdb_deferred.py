@@ -55,10 +55,13 @@ def _read_at(queue: str, offset: int) -> Call:
 
 
 async def in_one_batch(b: _BdbBackend, calls: list[Call]) -> list[Any]:
-    """Run `calls` as one batch of the worker (they are made in one turn of the loop)."""
-    before = b.worker.batches
+    """Run `calls` in one transaction: a batch of the worker thread's, or a round on the loop.
+
+    They are made in one turn of the loop, so they are one bundle.
+    """
+    before = b.worker.batches + b.worker.rounds
     results = await asyncio.gather(*(call(b) for call in calls))
-    assert b.worker.batches == before + 1
+    assert b.worker.batches + b.worker.rounds == before + 1
     return results
 
 

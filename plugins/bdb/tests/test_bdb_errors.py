@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import errno
 import subprocess
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -79,21 +80,37 @@ def test_panic_reopens_the_environment(name: str, tmp_path: Path) -> None:
     async def body(b: _BdbBackend) -> None:
         await put(b, "q", b"kept")
         store = b.worker.store
-        real = store._ops[jobs.TAKE]
-        calls = 0
+        calls: Counter[int] = Counter()
 
-        def panicking_take(txn: Any, queue: str, arg: None) -> Any:
-            nonlocal calls
-            calls += 1
-            if calls == 1:
-                raise db.DBRunRecoveryError(-30973, "DB_RUNRECOVERY: Fatal error, run recovery")
-            return real(txn, queue, arg)
+        def panicking(op: int) -> None:
+            real = store._ops[op]
 
-        store._ops[jobs.TAKE] = panicking_take
+            def once(txn: Any, queue: str, arg: Any) -> Any:
+                calls[op] += 1
+                if calls[op] == 1:
+                    raise db.DBRunRecoveryError(-30973, "DB_RUNRECOVERY: Fatal error, run recovery")
+                return real(txn, queue, arg)
+
+            store._ops[op] = once
+
+        # On the worker thread (a peek runs there), the job that met the
+        # panic fails alone; the next batch recovers first.
+        panicking(jobs.PEEK)
         with pytest.raises(StorageError, match="needs recovery"):
-            await b.take("q", sync=ALWAYS)
+            await b.peek("q")
+        peeked = await b.peek("q")
+        assert peeked is not None and peeked.body == b"kept" and not store.panicked
+        # On the event loop (a take runs there once the thread is done with
+        # the store), the panic undoes the round; the thread recovers and
+        # runs it again.
+        while b.worker.lock.locked():
+            await asyncio.sleep(0.001)
+        panicking(jobs.TAKE)
+        taken = await b.take("q", sync=ALWAYS)
+        assert taken is not None and taken.body == b"kept" and calls[jobs.TAKE] == 2
+        assert b.worker.rounds and not store.panicked
         assert await put(b, "q", b"after") == 1
-        assert [m.body for m in await drain(b, "q")] == [b"kept", b"after"]
+        assert [m.body for m in await drain(b, "q")] == [b"after"]
 
     session(name, tmp_path, body)
 

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 from pathlib import Path
+from typing import Any
 
 import pytest
-from bdb_helpers import NAMES, make, put
+from bdb_helpers import ALWAYS, NAMES, drain, make, put, session
+from berkeleydb import db
+from mqd_bdb.backend import _BdbBackend
 
-from mqd.backend import Sync
+from mqd.backend import Message, Pending, Put, Sync
+from mqd.errors import StorageError
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -93,3 +98,77 @@ def test_cancelled_take_gives_the_message_back(name: str, tmp_path: Path) -> Non
             await b.close()
 
     asyncio.run(main())
+
+
+class Holder:
+    """A caller that holds its replies: when its Pending ended, and how."""
+
+    def __init__(self, backend: _BdbBackend) -> None:
+        self.backend = backend
+        self.pendings: list[Pending] = []
+        self.ended: list[tuple[BaseException | None, int]] = []  # (error, flushes by then)
+
+    def hold(self, pending: Pending) -> None:
+        if pending not in self.pendings:
+            self.pendings.append(pending)
+            pending.add(lambda error: self.ended.append((error, self.backend.worker.flushes)))
+
+    async def released(self) -> BaseException | None:
+        while len(self.ended) < len(self.pendings):
+            await asyncio.sleep(0.001)
+        return self.ended[-1][0]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_held_answers_come_at_once_and_are_released_after_their_sync(
+    name: str, tmp_path: Path
+) -> None:
+    async def body(b: _BdbBackend) -> None:
+        await put(b, "q", b"first")  # the queue's files exist: its puts are quick
+        while b.worker.lock.locked():
+            await asyncio.sleep(0.001)
+        holder = Holder(b)
+        flushes = b.worker.flushes
+        # Both answered in this turn, without waiting: one round, not yet synced.
+        taken = await b.take("q", sync=ALWAYS, holder=holder)
+        assert taken is not None and taken.body == b"first"
+        assert await b.put("q", Message(b"second"), sync=ALWAYS, holder=holder) is Put.STORED
+        assert len(holder.pendings) == 1 and not holder.ended
+        assert await holder.released() is None
+        assert holder.ended[0][1] > flushes  # released once a sync covered the round
+        assert b.worker.rounds >= 1
+        assert [m.body for m in await drain(b, "q")] == [b"second"]
+
+    session(name, tmp_path, body)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_failed_round_voids_its_held_answers_and_loses_nothing(name: str, tmp_path: Path) -> None:
+    async def body(b: _BdbBackend) -> None:
+        await put(b, "q", b"kept")
+        while b.worker.lock.locked():
+            await asyncio.sleep(0.001)
+        store = b.worker.store
+        real_commit = store.commit
+        failures: list[Any] = []
+
+        def failing_commit(txn: Any, published: dict[str, Any]) -> None:
+            if not failures:
+                failures.append(txn)
+                store.abort(txn)  # what commit() does when the commit fails
+                raise db.DBError(errno.EIO, "I/O error")
+            real_commit(txn, published)
+
+        store.commit = failing_commit  # type: ignore[method-assign]
+        holder = Holder(b)
+        taken = await b.take("q", sync=ALWAYS, holder=holder)
+        assert taken is not None and taken.body == b"kept"
+        assert await b.put("q", Message(b"void"), sync=ALWAYS, holder=holder) is Put.STORED
+        error = await holder.released()
+        assert isinstance(error, StorageError) and "I/O error" in str(error)
+        # Undone: the take gave nothing away, the put stored nothing.
+        assert [m.body for m in await drain(b, "q")] == [b"kept"]
+        size = await b.size("q")
+        assert size is not None and size.items == 0
+
+    session(name, tmp_path, body)
