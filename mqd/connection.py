@@ -90,6 +90,7 @@ class Connection(asyncio.Protocol):
         # (mqd.backend.Holder): from this index of `out` on, while `_held`.
         self._held: Pending | None = None
         self._held_from = 0
+        self._closing = False  # closed, the held replies still to send
 
     # -- asyncio.Protocol ----------------------------------------------------
 
@@ -420,6 +421,13 @@ class Connection(asyncio.Protocol):
             self.server.storage_failed(
                 "storage error in %s: %s", self.server.config.data_dir, error
             )
+        if self._closing:
+            self._closing = False
+            transport = self.transport
+            if transport is not None and not transport.is_closing():
+                self.closed = False  # for this last flush
+                self.close()
+            return
         self.flush()
 
     def flush(self) -> None:
@@ -468,6 +476,10 @@ class Connection(asyncio.Protocol):
         return REPLY["stored"]
 
     def close(self) -> None:
+        if self._held is not None:
+            self._closing = True  # once the held replies are out (_released)
+            self.closed = True
+            return
         self.flush()
         self.closed = True
         if self.transport is not None:

@@ -342,5 +342,12 @@ def test_held_replies_go_out_on_release_or_become_the_error() -> None:
         assert voided == b"SERVER_ERROR disk full\r\n" * 2  # noreply stays silent
         backend.fail = None  # (this fake undoes nothing; the connection goes on)
         assert await send(b"set q 0 0 1\r\ne\r\n") == b"STORED\r\n"
+        # quit closes once the held replies before it are out.
+        sent = len(transport.written)
+        connection.data_received(b"set q 0 0 1\r\nf\r\nquit\r\nset q 0 0 1\r\ng\r\n")
+        assert not transport.closed
+        while not transport.closed:
+            await asyncio.sleep(0)
+        assert transport.written[sent:] == b"STORED\r\n"
 
     asyncio.run(main())

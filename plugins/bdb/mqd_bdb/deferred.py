@@ -48,7 +48,7 @@ class DeferredPuts(BodyIndex):
         # What an aborted transaction deferred went with it: start afresh.
         self._deferred = {}
 
-    def _run_job(self, txn: Any, op: int, name: str, arg: Any) -> Any:
+    def run_job(self, txn: Any, op: int, name: str, arg: Any) -> Any:
         deferred = self._deferred
         if deferred and op != jobs.PUT:
             if op == jobs.TAKE:

@@ -120,12 +120,13 @@ class Environment:
         env.set_lg_max(c.log_file_mb << 20)
         env.set_lk_max_locks(c.max_locks)
         env.set_lk_max_objects(c.max_locks)
-        # Commits write the log to the OS but do not sync it: the worker syncs
-        # once per batch (group commit) for the callers that asked for it.
+        # Commits write the log to the OS but do not sync it: it is synced once
+        # per batch or round (group commit) for the callers that asked for it.
         env.set_flags(db.DB_TXN_WRITE_NOSYNC, 1)
         env.log_set_config(db.DB_LOG_AUTO_REMOVE, 1)
-        # All work is on one thread, so a lock wait can only be for a lock this
-        # very thread holds in another transaction: fail it rather than hang.
+        # The store is used by one thread at a time (Worker.lock), so a lock wait
+        # can only be for a lock that thread holds in another transaction: fail
+        # it rather than hang.
         env.set_timeout(2_000_000, db.DB_SET_LOCK_TIMEOUT)
         self.env = env
         env.open(str(self.data_dir), ENV_FLAGS, 0o600)

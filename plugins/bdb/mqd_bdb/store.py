@@ -1,9 +1,11 @@
 """The batch engine: a batch of jobs in one transaction, one failing job failing alone.
 
-Everything here runs on the environment's worker thread (mqd_bdb.worker). The
-worker hands a store a batch of jobs; the store runs them in one transaction
-and, should anything in it fail, aborts and runs them again one transaction
-each, so one bad job fails alone. mqd_bdb.operations, mqd_bdb.leases and
+Everything here runs on one thread at a time (mqd_bdb.worker): the
+environment's worker thread, which hands a store a batch of jobs to run in one
+transaction and, should anything in it fail, has it aborted and run again one
+transaction each, so one bad job fails alone; or the event loop, which runs
+quick jobs one by one in a transaction it opens (begin) and ends (commit or
+abort) once per turn. mqd_bdb.operations, mqd_bdb.leases and
 mqd_bdb.queue_ops run the jobs in terms of the few calls a layout
 (mqd_bdb.fifo and the modules that use it, mqd_bdb.random_set) supplies,
 declared at the end of Store.
@@ -56,28 +58,32 @@ class Store(Catalog):
     #: Whether a new queue gets files of its own (creating them may sync).
     files_per_queue: ClassVar[bool] = False
 
+    def loop_ready(self) -> bool:
+        """Whether quick jobs may run on the event loop now (quick() says which).
+
+        Not during recovery, in the full-disk mode, or with `max_disk_bytes`
+        (each put is weighed against the disk first).
+        """
+        return not (self.panicked or self.space.out or self.space.max_disk_bytes)
+
     def quick(self, job: jobs.Job) -> bool:
         """Whether `job` may run on the event loop: a plain put, a take or an ack, no file to open.
 
-        What stays off the loop: every other job; a put that opens or creates
-        files, counts a queue's bodies, drops the oldest message, copies to
-        fanout children, or is weighed against the disk; and recovery.
+        What stays off the loop: every other job, and a put that opens or
+        creates files, counts a queue's bodies, drops the oldest message, or
+        copies to fanout children.
         """
         op = job[0]
-        if self.panicked or self.space.out or self.space.max_disk_bytes:
-            return False
         q = self.queues.get(job[1])
-        if op == jobs.TAKE or op == jobs.ACK:
-            return q is None or q.mdb is not None
-        if op != jobs.PUT:
-            return False
-        if q is None:
-            if self.files_per_queue:
+        if op == jobs.PUT:
+            if q is None:
+                if self.files_per_queue:
+                    return False
+            elif q.mdb is None:
                 return False
-        elif q.mdb is None:
-            return False
-        _, unique, limits, children = job[2]
-        return not (unique or children is not None or limits.max_items or limits.max_bytes)
+            _, unique, limits, children = job[2]
+            return not (unique or children is not None or limits.max_items or limits.max_bytes)
+        return (op == jobs.TAKE or op == jobs.ACK) and (q is None or q.mdb is not None)
 
     def upkeep_due(self) -> bool:
         """Whether trim(), upkeep() or purge_step() has work now (asked after a round)."""
@@ -157,7 +163,7 @@ class Store(Catalog):
     def _transaction(self, segment: list[jobs.Job], published: dict[str, Any]) -> list[Any]:
         txn = self.begin()
         try:
-            values = [self._run_job(txn, op, name, arg) for op, name, arg, _, _ in segment]
+            values = [self.run_job(txn, op, name, arg) for op, name, arg, _, _ in segment]
         except BaseException as exc:
             self.abort(txn, exc)
             raise
@@ -174,10 +180,6 @@ class Store(Catalog):
         txn = self.env.txn_begin()
         self._start_run()
         return txn
-
-    def run_job(self, txn: Any, job: jobs.Job) -> Any:
-        """The value of one job, run in the open transaction `txn`."""
-        return self._run_job(txn, job[0], job[1], job[2])
 
     def commit(self, txn: Any, published: dict[str, Any]) -> None:
         """Write what the jobs left to write, commit (no sync), publish the gauges they changed.
@@ -207,7 +209,8 @@ class Store(Catalog):
     def _start_run(self) -> None:
         """A transaction opened: jobs are about to run in it."""
 
-    def _run_job(self, txn: Any, op: int, name: str, arg: Any) -> Any:
+    def run_job(self, txn: Any, op: int, name: str, arg: Any) -> Any:
+        """The value of one job, run in the open transaction `txn`."""
         return self._ops[op](txn, name, arg)
 
     def _end_run(self, txn: Any) -> None:

@@ -71,13 +71,12 @@ Unsynced = tuple[int, "Round", list[jobs.Result], Published, BaseException | Non
 class Round:
     """Quick jobs run on the event loop in one transaction, until the turn ends."""
 
-    __slots__ = ("error", "pending", "periodic", "results", "taken", "txn", "value", "writers")
+    __slots__ = ("error", "pending", "periodic", "results", "taken", "txn", "writers")
 
     def __init__(self, txn: Any) -> None:
         self.txn = txn
         self.pending = Pending()  # the holders of its answers
         self.results: list[jobs.Result] = []  # of the jobs with futures, answered at the end
-        self.value: Any = None  # the last held job's
         self.taken: list[tuple[jobs.Job, Message]] = []  # given back if the sync fails
         self.writers = 0  # its jobs that asked for Sync.ALWAYS
         self.periodic = False  # whether any asked for Sync.PERIODIC
@@ -108,6 +107,8 @@ class Worker:
         # answer before the ones ahead of them); the sync thread's target.
         self._unsynced: deque[Unsynced] = deque()
         self._seq = 0
+        self._syncing = False  # whether a sync the loop asked for has not answered yet
+        self._end_due = False  # whether the open round ends once it has
         self._sync_cond = threading.Condition(threading.Lock())
         self._sync_want = 0
         self._sync_stop = False
@@ -122,6 +123,8 @@ class Worker:
         self._busy = False
         self._ready: deque[jobs.Job] = deque()  # taken from the inbox, not yet run
         self.lock = threading.Lock()  # held by whoever uses the store (see above)
+        self._quick = store.quick
+        self._run_job = store.run_job
         self._loop_round: Round | None = None  # the event loop's open round
         self._outstanding = 0  # jobs handed to the thread, not yet answered
         self._opened: asyncio.Future[dict[str, QueueSize]] | None = None
@@ -178,28 +181,43 @@ class Worker:
     def run_now(self, job: jobs.Job, holder: Holder) -> Any:
         """Run a quick job here, in this turn's round: its value, or jobs.LATER if it can't.
 
-        A job that fails raises its StorageError, and voids the round.
+        A job that fails raises its StorageError, and voids the round. (The
+        path of every held set and get: kept flat, as _run_in without results.)
         """
-        r = self._here((job,))
+        r = self._loop_round
         if r is None:
+            r = self._here((job,))
+            if r is None:
+                return jobs.LATER
+        elif r.error is not None or not self._quick(job):
             return jobs.LATER
         holder.hold(r.pending)
-        if not self._run_in(r, job, held=True):
-            assert r.error is not None
-            raise r.error
-        return r.value
+        try:
+            value = self._run_job(r.txn, job[0], job[1], job[2])
+        except Exception as exc:
+            r.error = storage_error(exc)
+            raise r.error from exc
+        sync = job[3]
+        if sync is ALWAYS:
+            r.writers += 1
+        elif sync is PERIODIC:
+            r.periodic = True
+        if value is not None and job[0] == jobs.TAKE:
+            r.taken.append((job, value))
+        self.jobs += 1
+        return value
 
     def _here(self, bundle: Sequence[jobs.Job]) -> Round | None:
         """This turn's round, opened if need be, if `bundle` may run in it; else None."""
         store = self.store
         r = self._loop_round
         if r is not None:
-            return r if r.error is None and all(map(store.quick, bundle)) else None
+            return r if r.error is None and all(map(self._quick, bundle)) else None
         # Jobs the thread has not answered go first; the thread may hold the store.
         if self._outstanding or not self.lock.acquire(blocking=False):
             return None
         try:
-            if not all(map(store.quick, bundle)):
+            if not (store.loop_ready() and all(map(self._quick, bundle))):
                 self.lock.release()
                 return None
             txn = store.begin()
@@ -210,33 +228,36 @@ class Worker:
         self.loop.call_soon(self._end_round)
         return r
 
-    def _run_in(self, r: Round, job: jobs.Job, held: bool = False) -> bool:
-        """Run `job` in round `r`; False if it failed (and so voided the round)."""
+    def _run_in(self, r: Round, job: jobs.Job) -> bool:
+        """Run `job` in round `r`, its result kept; False if it failed (voiding the round)."""
         try:
-            value = self.store.run_job(r.txn, job)
+            value = self._run_job(r.txn, job[0], job[1], job[2])
         except Exception as exc:
             r.error = storage_error(exc)
-            if not held:
-                r.results.append((job, None, None))
+            r.results.append((job, None, None))
             return False
         sync = job[3]
         if sync is ALWAYS:
             r.writers += 1
         elif sync is PERIODIC:
             r.periodic = True
-        if held:
-            r.value = value
-            if value is not None and job[0] == jobs.TAKE:
-                r.taken.append((job, value))
-        else:
-            r.results.append((job, None, value))
+        r.results.append((job, None, value))
         self.jobs += 1
         return True
 
     def _end_round(self) -> None:
-        """The turn is over: commit the round, sync it if asked, answer it."""
-        r, self._loop_round = self._loop_round, None
+        """The turn is over: commit the round, sync it if asked, answer it.
+
+        While a sync runs, the round stays open instead, and ends as that sync
+        does: what comes meanwhile could not be synced sooner anyway, and one
+        commit and one sync for all of it cost less than several.
+        """
+        r = self._loop_round
         assert r is not None
+        if r.error is None and self._syncing:
+            self._end_due = True
+            return
+        self._loop_round = None
         store = self.store
         published: Published = {}
         error = r.error
@@ -266,6 +287,7 @@ class Worker:
             # round runs meanwhile, and its sync covers all that came since.
             self._seq += 1
             self._unsynced.append((self._seq, r, results, published, None))
+            self._syncing = True
             with self._sync_cond:
                 self._sync_want = self._seq
                 self._sync_cond.notify()
@@ -286,6 +308,10 @@ class Worker:
                 failed = error
             self._answer(r, results, published, failed)
         self._note(error is None, False)
+        self._syncing = self._seq > done
+        if self._end_due and not self._syncing:
+            self._end_due = False
+            self._end_round()
 
     def _answer(
         self,
