@@ -127,6 +127,7 @@ class Worker:
         self._run_job = store.run_job
         self._loop_round: Round | None = None  # the event loop's open round
         self._outstanding = 0  # jobs handed to the thread, not yet answered
+        self._wants_store = False  # set by the thread while it waits for the lock
         self._opened: asyncio.Future[dict[str, QueueSize]] | None = None
         self._expected = 0  # writers the last sync answered
         self._sync_s = 0.0  # how long a sync takes, on average
@@ -213,8 +214,8 @@ class Worker:
         r = self._loop_round
         if r is not None:
             return r if r.error is None and all(map(self._quick, bundle)) else None
-        # Jobs the thread has not answered go first; the thread may hold the store.
-        if self._outstanding or not self.lock.acquire(blocking=False):
+        # Jobs the thread has not answered go first; the thread may want or hold the store.
+        if self._outstanding or self._wants_store or not self.lock.acquire(blocking=False):
             return None
         try:
             if not (store.loop_ready() and all(map(self._quick, bundle))):
@@ -395,7 +396,9 @@ class Worker:
     def _serve(self) -> None:
         while True:
             idle = not self._ready and not self._take(0.0 if self.store.purges else None)
+            self._wants_store = True  # the loop opens no round meanwhile: no starving
             with self.lock:
+                self._wants_store = False
                 if self._serve_once(idle):
                     return
 
