@@ -32,6 +32,18 @@ class FifoStore(DeferredPuts):
         finally:
             cur.close()
 
+    def _take_first(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:
+        # One descent of the tree: the cursor that finds the head removes it
+        # (a read and then a delete by key would descend twice).
+        cur = q.mdb.cursor(txn)
+        try:
+            rec = first_waiting(cur, q.mpre + U64.pack(q.hint), q.mpre)
+            if rec is not None:
+                cur.delete()
+            return rec
+        finally:
+            cur.close()
+
     def _oldest_waiting(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:
         return self._first_waiting(txn, q)
 
