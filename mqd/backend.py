@@ -8,8 +8,10 @@ gets, message expiry or the wire: the broker (mqd.broker) keeps those.
 Every method is a coroutine: a backend whose work blocks (disk syncs, network
 round trips) must do it off the event loop, in a worker thread or through an
 async client, and should group work that arrives together so that many
-writers share one flush. Calls made in order on one event-loop turn must take
-effect in that order (a connection's pipelined commands rely on it).
+writers share one flush. A put or take with a Holder may instead be answered
+at once, before it is durable, and the holder told when it is (Pending).
+Calls made in order on one event-loop turn must take effect in that order (a
+connection's pipelined commands rely on it).
 
 Queue names are `str` decoded from the wire bytes as UTF-8 with
 `surrogateescape` (mqd.protocol.name_text), so mqd.protocol.name_bytes(name)
@@ -18,7 +20,8 @@ protocol allows (`..`, `con`, names differing only in case, 250 bytes) safely
 and separately.
 
 Over 500 lines: the docstrings here are the whole contract a backend
-implements (plugins/README.md), bulk lease calls and their defaults included.
+implements (plugins/README.md), bulk lease calls and their defaults, and the
+held answers (Holder, Pending), included.
 """
 
 from __future__ import annotations

@@ -5,7 +5,13 @@ written once per batch of input, which is what makes pipelining cheap, and
 consecutive sets and plain gets are started together so a group-commit
 backend flushes once for them. What one client can make the daemon hold is
 bounded: a connection stops reading while many parsed commands wait, and runs
-no more commands while its unsent replies pass WRITE_HIGH.
+no more commands while its unsent replies pass WRITE_HIGH. On a backend that
+answers holders at once (mqd.backend.Holder) plain sets and gets run
+straight through and their replies wait, in order, until the backend says
+what they answer is durable.
+
+Over 500 lines: the connection's whole life (admission, pipelining, replies
+held and bounded, one handler per command) is one state machine.
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
-"""Where an environment's Berkeley DB work runs: the event loop and two threads.
+"""Where an environment's Berkeley DB work runs: the event loop and three threads.
 
-A plain put or take whose caller holds its reply back (a connection, see
+A plain put, take or ack whose caller holds its reply back (a connection, see
 mqd.backend.Holder) runs at once on the event loop, when the store is free,
 in a transaction left open for the rest of that turn of the loop: a round.
-At the end of the turn the round commits, the log is synced once if any of
-its jobs asked for `Sync.ALWAYS`, and its holders send their replies, or
-replace them by the error if the round failed (it was then undone). That is
-a group commit with no thread hand-off and no future per job: what a
-pipeline or many connections send in one turn shares one commit and one
-sync, and the sync's wait is the only one.
+At the end of the turn the round commits without a sync; if any of its jobs
+asked for `Sync.ALWAYS`, the sync thread syncs the log while the loop goes
+on, and the round's holders send their replies once that sync has ended (or
+the error instead, if the round failed and was undone). While a sync runs,
+the next round stays open and ends as it does: one commit and one sync for
+all that came meanwhile. That is a group commit with no thread hand-off and
+no future per job. Bundles of quick jobs from callers that await futures
+run in the same rounds, and are answered after the same syncs.
 
 Everything else goes to the worker thread: the event loop hands jobs over in
 bundles and awaits their futures. The worker
@@ -21,15 +23,18 @@ writers as the last sync had, running what they send: one sync for all of
 them costs less than two. All results of a sync go back to the loop in one
 call_soon_threadsafe.
 
-Between batches the worker closes idle files and purges deleted queues. A
-second thread, the keeper, syncs the log for `Sync.PERIODIC`, writes dirty
-pages out ahead of time and checkpoints, so that none of that stalls the
-worker; it uses the environment alone (opened DB_THREAD for it), never a
+Between batches the worker closes idle files and purges deleted queues. The
+keeper thread syncs the log for `Sync.PERIODIC`, writes dirty pages out ahead
+of time and checkpoints, so that none of that stalls the worker; it and the
+sync thread use the environment alone (opened DB_THREAD for them), never a
 database handle. The store itself is used by one thread at a time, under
-`Worker.lock`: the worker thread holds it for each of its rounds and its
+`Worker.lock`: the worker thread holds it for each of its batches and its
 housekeeping, the event loop for a round (it never waits for it: a job that
 finds the store busy goes to the thread, as does every job made while the
 thread has jobs of the loop's not yet answered, so jobs run in the order made).
+
+Over 500 lines: the places work runs share one lock, one order of answers and
+one sync sequence, and keeping them in one module keeps that order in view.
 """
 
 from __future__ import annotations
