@@ -117,6 +117,7 @@ class Worker:
         self._sync_cond = threading.Condition(threading.Lock())
         self._sync_want = 0
         self._sync_stop = False
+        self._env_lock = threading.Lock()  # held by the sync thread while it syncs, and by a reopen
         # The keeper's state, under its condition: the environment is used by
         # it only while `_env_open`; changes since it last looked; when
         # periodic writes must be synced by.
@@ -344,7 +345,8 @@ class Worker:
                 target = self._sync_want
             error: BaseException | None = None
             try:
-                self.store.flush()
+                with self._env_lock:
+                    self.store.flush()
                 self.flushes += 1
             except Exception as exc:
                 error = storage_error(exc)
@@ -512,7 +514,8 @@ class Worker:
         try:
             if store.panicked:
                 self._pause_keeper()
-                published.update(store.reopen())
+                with self._env_lock:  # no sync of the environment being replaced
+                    published.update(store.reopen())
                 self._resume_keeper()
                 log.warning("Berkeley DB environment in %s recovered", store.data_dir)
             store.execute(batch, results, published)
