@@ -427,21 +427,24 @@ class Connection(asyncio.Protocol):
             self.server.storage_failed(
                 "storage error in %s: %s", self.server.config.data_dir, error
             )
-        if self._closing:
-            self._closing = False
-            transport = self.transport
-            if transport is not None and not transport.is_closing():
-                self.closed = False  # for this last flush
-                self.close()
+        if not self._closing:
+            self.flush()
             return
-        self.flush()
+        self._closing = False  # close() came while they were held: close now
+        transport = self.transport
+        self._send(transport is not None and not transport.is_closing())
+        if transport is not None:
+            transport.close()
 
     def flush(self) -> None:
         """Send every reply gathered so far (held replies once they are released)."""
-        if self._held is not None:
-            return
+        if self._held is None:
+            self._send(not self.closed)
+
+    def _send(self, to_client: bool) -> None:
+        """Write `out` to the client if `to_client` (it is still there); either way, empty it."""
         out = self.out
-        if out and self.transport is not None and not self.closed:
+        if out and to_client and self.transport is not None:
             self.transport.write(b"".join(out))  # one reply: join returns it, no copy
         out.clear()
         self.out_bytes = 0

@@ -76,7 +76,7 @@ Unsynced = tuple[int, "Round", list[jobs.Result], Published, BaseException | Non
 class Round:
     """Quick jobs run on the event loop in one transaction, until the turn ends."""
 
-    __slots__ = ("error", "pending", "periodic", "results", "taken", "txn", "writers")
+    __slots__ = ("cause", "error", "pending", "periodic", "results", "taken", "txn", "writers")
 
     def __init__(self, txn: Any) -> None:
         self.txn = txn
@@ -86,6 +86,13 @@ class Round:
         self.writers = 0  # its jobs that asked for Sync.ALWAYS
         self.periodic = False  # whether any asked for Sync.PERIODIC
         self.error: BaseException | None = None  # a job failed: the round is undone
+        self.cause: BaseException | None = None  # what it met (a panic makes the thread recover)
+
+    def fail(self, exc: BaseException) -> BaseException:
+        """A job of the round met `exc`: the round is undone; the StorageError to answer."""
+        self.cause = exc
+        self.error = storage_error(exc)
+        return self.error
 
 
 class Worker:
@@ -196,14 +203,13 @@ class Worker:
             r = self._here((job,))
             if r is None:
                 return jobs.LATER
-        elif r.error is not None or not self._quick(job):
+        elif r.error is not None or self._outstanding or not self._quick(job):
             return jobs.LATER
         holder.hold(r.pending)
         try:
             value = self._run_job(r.txn, job[0], job[1], job[2])
         except Exception as exc:
-            r.error = storage_error(exc)
-            raise r.error from exc
+            raise r.fail(exc) from exc
         sync = job[3]
         if sync is ALWAYS:
             r.writers += 1
@@ -219,7 +225,8 @@ class Worker:
         store = self.store
         r = self._loop_round
         if r is not None:
-            return r if r.error is None and all(map(self._quick, bundle)) else None
+            ready = r.error is None and not self._outstanding
+            return r if ready and all(map(self._quick, bundle)) else None
         # Jobs the thread has not answered go first; the thread may want or hold the store.
         if self._outstanding or self._wants_store or not self.lock.acquire(blocking=False):
             return None
@@ -240,7 +247,7 @@ class Worker:
         try:
             value = self._run_job(r.txn, job[0], job[1], job[2])
         except Exception as exc:
-            r.error = storage_error(exc)
+            r.fail(exc)
             r.results.append((job, None, None))
             return False
         sync = job[3]
@@ -274,7 +281,7 @@ class Worker:
                 store.commit(r.txn, published)
                 committed = True
             else:
-                store.abort(r.txn)
+                store.abort(r.txn, r.cause)
         except Exception as exc:
             error = storage_error(exc)
             if is_disk_full(exc):

@@ -96,10 +96,13 @@ def test_panic_reopens_the_environment(name: str, tmp_path: Path) -> None:
         # On the worker thread (a peek runs there), the job that met the
         # panic fails alone; the next batch recovers first.
         panicking(jobs.PEEK)
+        env = store.env
         with pytest.raises(StorageError, match="needs recovery"):
             await b.peek("q")
         peeked = await b.peek("q")
         assert peeked is not None and peeked.body == b"kept" and not store.panicked
+        assert store.env is not env  # recovered: a new environment
+        env = store.env
         # On the event loop (a take runs there once the thread is done with
         # the store), the panic undoes the round; the thread recovers and
         # runs it again.
@@ -109,6 +112,7 @@ def test_panic_reopens_the_environment(name: str, tmp_path: Path) -> None:
         taken = await b.take("q", sync=ALWAYS)
         assert taken is not None and taken.body == b"kept" and calls[jobs.TAKE] == 2
         assert b.worker.rounds and not store.panicked
+        assert store.env is not env  # recovered before the take ran again
         assert await put(b, "q", b"after") == 1
         assert [m.body for m in await drain(b, "q")] == [b"after"]
 
