@@ -367,11 +367,13 @@ class Connection(asyncio.Protocol):
                     group.start(broker.store(command))
                 elif isinstance(command, Retrieve):
                     group.start(broker.retrieve(command, self.session))
+        results = await group.wait()
         if not group.waited or self.broker.backend.answers_held:
             # Nothing waited, or the next command may run at once, its reply
-            # held: one command after another costs less then.
+            # held: one command after another costs less then. (Set after the
+            # wait: waiting made this connection a task, which turned
+            # overlapping on again.)
             self.server.overlap = False
-        results = await group.wait()
         for command, result in zip(commands, results, strict=True):
             if isinstance(result, BaseException):
                 if not isinstance(result, Exception):

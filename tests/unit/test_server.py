@@ -279,7 +279,8 @@ class Holding(MemoryBackend):
 
     As the Berkeley DB backends do with a round: `fail` is the error the
     release carries (the round undone), and `seen` what the client had been
-    sent at each release.
+    sent at each release. With `wait`, it answers as the thread does: later,
+    holding nothing.
     """
 
     name = "holding"
@@ -288,11 +289,15 @@ class Holding(MemoryBackend):
     def __init__(self, options: StorageOptions) -> None:
         super().__init__(options)
         self.fail: BaseException | None = None
+        self.wait = False
         self.seen: list[bytes] = []
         self.transport = FakeTransport()
         self._pending: Pending | None = None
 
-    def _hold(self, holder: Holder | None) -> None:
+    async def _hold(self, holder: Holder | None) -> None:
+        if self.wait:
+            await asyncio.sleep(0)
+            return
         if holder is None:
             return
         if self._pending is None:
@@ -307,11 +312,11 @@ class Holding(MemoryBackend):
         pending.end(self.fail)
 
     async def put(self, queue: str, message: Message, **options: Any) -> Put:
-        self._hold(options.get("holder"))
+        await self._hold(options.get("holder"))
         return await super().put(queue, message, **options)
 
     async def take(self, queue: str, **options: Any) -> Message | None:
-        self._hold(options.get("holder"))
+        await self._hold(options.get("holder"))
         return await super().take(queue, **options)
 
 
@@ -349,5 +354,33 @@ def test_held_replies_go_out_on_release_or_become_the_error() -> None:
         while not transport.closed:
             await asyncio.sleep(0)
         assert transport.written[sent:] == b"STORED\r\n"
+
+    asyncio.run(main())
+
+
+def test_after_a_group_waited_the_next_commands_hold_their_replies_again() -> None:
+    async def main() -> None:
+        backend = Holding(StorageOptions())
+        server = Server(Config(backend="memory"), backend)
+        server.loop = asyncio.get_running_loop()
+        await server.broker.start()
+        connection = Connection(server)
+        transport = backend.transport
+        connection.connection_made(transport)  # type: ignore[arg-type]
+        backend.wait = True  # the backend's thread answers, later
+        server.overlap = True  # as after any command waited: pipelines go as groups
+        connection.data_received(b"set q 0 0 1\r\na\r\nset q 0 0 1\r\nb\r\nget q\r\n")
+        assert connection.task is not None  # the group waits
+        while connection.task is not None:
+            await asyncio.sleep(0)
+        assert transport.written == b"STORED\r\nSTORED\r\nVALUE q 0 1\r\na\r\nEND\r\n"
+        # Its waiting must not keep pipelines grouped: the next ones hold.
+        assert not server.overlap
+        backend.wait = False
+        connection.data_received(b"get q\r\nget q\r\n")
+        assert connection.task is None and len(backend.seen) == 0
+        while not backend.seen:
+            await asyncio.sleep(0)
+        assert transport.written.endswith(b"VALUE q 0 1\r\nb\r\nEND\r\nEND\r\n")
 
     asyncio.run(main())
