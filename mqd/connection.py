@@ -346,8 +346,9 @@ class Connection(asyncio.Protocol):
         Replies go out in order once all of them are complete (one wake-up
         of this connection for the group, not one per command).
         When none of them waited (a backend that answers at once, as memory
-        does), overlapping is turned off until something waits again: one
-        command after another costs less then.
+        does), or the backend holds replies (the next commands may run at
+        once again), overlapping is turned off once the group is done, until
+        something waits again: one command after another costs less then.
         """
         pending = self.pending
         commands = [first]
@@ -369,10 +370,8 @@ class Connection(asyncio.Protocol):
                     group.start(broker.retrieve(command, self.session))
         results = await group.wait()
         if not group.waited or self.broker.backend.answers_held:
-            # Nothing waited, or the next command may run at once, its reply
-            # held: one command after another costs less then. (Set after the
-            # wait: waiting made this connection a task, which turned
-            # overlapping on again.)
+            # After the wait, which made this connection a task and so turned
+            # overlapping on again.
             self.server.overlap = False
         for command, result in zip(commands, results, strict=True):
             if isinstance(result, BaseException):
