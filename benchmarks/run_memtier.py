@@ -4,6 +4,8 @@ memcached and Redis lists under memtier_benchmark, in one run.
 The load (one key = one queue, so every set is an enqueue and every get a
 dequeue; 100-byte values; 50/50 set/get; 16 connections as 4 threads x 4
 clients), in two shapes: one command per round trip, and pipelined 16 deep.
+On the memcached protocol memtier's parallel key pattern gives each
+connection its own key (queues q1 to q16); the Redis lists are one list.
 
 Systems, each started in turn on a free loopback port with a fresh temporary
 data directory, measured in both shapes, and stopped before the next starts:
@@ -294,7 +296,8 @@ def results_table(
     for p in o.pipelines:
         columns += [f"pipeline {p} ops/s", "hits", "p50", "p99", "/memcached", "CPU us/op"]
     print_table(
-        f"{o.threads * o.clients} connections, 50/50 set/get on one queue, {o.size}-byte values, "
+        f"{o.threads * o.clients} connections, 50/50 set/get, a queue each (Redis: one list), "
+        f"{o.size}-byte values, "
         f"{o.test_time:g} s per figure, median of {o.repeat}; driver: {driver.name}; "
         f"latency {driver.latency}, ms; hits: share of gets that found a message; "
         "CPU us/op: the server's CPU time (user + system) per op",
