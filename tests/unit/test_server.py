@@ -320,15 +320,21 @@ class Holding(MemoryBackend):
         return await super().take(queue, **options)
 
 
+async def _holding_connection() -> tuple[Holding, Server, Connection]:
+    """A connection of a server over a Holding backend, writing to its transport."""
+    backend = Holding(StorageOptions())
+    server = Server(Config(backend="memory"), backend)
+    server.loop = asyncio.get_running_loop()
+    await server.broker.start()
+    connection = Connection(server)
+    connection.connection_made(backend.transport)  # type: ignore[arg-type]
+    return backend, server, connection
+
+
 def test_held_replies_go_out_on_release_or_become_the_error() -> None:
     async def main() -> None:
-        backend = Holding(StorageOptions())
-        server = Server(Config(backend="memory"), backend)
-        server.loop = asyncio.get_running_loop()
-        await server.broker.start()
-        connection = Connection(server)
+        backend, _, connection = await _holding_connection()
         transport = backend.transport
-        connection.connection_made(transport)  # type: ignore[arg-type]
 
         async def send(data: bytes) -> bytes:
             before = len(transport.written)
@@ -360,13 +366,8 @@ def test_held_replies_go_out_on_release_or_become_the_error() -> None:
 
 def test_after_a_group_waited_the_next_commands_hold_their_replies_again() -> None:
     async def main() -> None:
-        backend = Holding(StorageOptions())
-        server = Server(Config(backend="memory"), backend)
-        server.loop = asyncio.get_running_loop()
-        await server.broker.start()
-        connection = Connection(server)
+        backend, server, connection = await _holding_connection()
         transport = backend.transport
-        connection.connection_made(transport)  # type: ignore[arg-type]
         backend.wait = True  # the backend's thread answers, later
         server.overlap = True  # as after any command waited: pipelines go as groups
         connection.data_received(b"set q 0 0 1\r\na\r\nset q 0 0 1\r\nb\r\nget q\r\n")
