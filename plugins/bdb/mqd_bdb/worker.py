@@ -88,6 +88,13 @@ class Round:
         self.error: BaseException | None = None  # a job failed: the round is undone
         self.cause: BaseException | None = None  # what it met (a panic makes the thread recover)
 
+    def ran(self, sync: Sync | None) -> None:
+        """One of its jobs ran, asking for `sync`."""
+        if sync is ALWAYS:
+            self.writers += 1
+        elif sync is PERIODIC:
+            self.periodic = True
+
     def fail(self, exc: BaseException) -> BaseException:
         """A job of the round met `exc`: the round is undone; the StorageError to answer."""
         self.cause = exc
@@ -196,7 +203,7 @@ class Worker:
         """Run a quick job here, in this turn's round: its value, or jobs.LATER if it can't.
 
         A job that fails raises its StorageError, and voids the round. (The
-        path of every held set and get: kept flat, as _run_in without results.)
+        path of every held set and get: _run_in without a result to keep.)
         """
         r = self._loop_round
         if r is None:
@@ -210,11 +217,7 @@ class Worker:
             value = self._run_job(r.txn, job[0], job[1], job[2])
         except Exception as exc:
             raise r.fail(exc) from exc
-        sync = job[3]
-        if sync is ALWAYS:
-            r.writers += 1
-        elif sync is PERIODIC:
-            r.periodic = True
+        r.ran(job[3])
         if value is not None and job[0] == jobs.TAKE:
             r.taken.append((job, value))
         self.jobs += 1
@@ -250,11 +253,7 @@ class Worker:
             r.fail(exc)
             r.results.append((job, None, None))
             return False
-        sync = job[3]
-        if sync is ALWAYS:
-            r.writers += 1
-        elif sync is PERIODIC:
-            r.periodic = True
+        r.ran(job[3])
         r.results.append((job, None, value))
         self.jobs += 1
         return True
