@@ -106,7 +106,9 @@ async def _measure(commands: int) -> dict[str, Any]:
     # A tree without mqd/native.py imports this checkout's (an editable install's finder),
     # which then was never activated: that tree has no compiled modules.
     own = Path(native.__file__).parent == Path(configuration.__file__).parent
-    state = native.state if own else "pure Python (no compiled modules in that tree)"
+    # Trees before plugins had builds kept mqd's on the module itself.
+    build: Any = getattr(native, "MQD", native)
+    state = build.state if own else "pure Python (no compiled modules in that tree)"
     out: dict[str, Any] = {"state": state, "ns": {}, "split": {}}
     for shape, reads in SHAPES.items():
         per_read = sum(r.count(b"\r\n") - r.count(b"set ") for r in reads) / len(reads)
@@ -125,7 +127,7 @@ async def _measure(commands: int) -> dict[str, Any]:
                     conn.data_received(data)
             best = min(best, (time.perf_counter() - t0) / (reads_per_round * len(reads) * per_read))
         out["ns"][shape] = best * 1e9
-        if not (own and native.compiled):
+        if not (own and build.compiled):
             profile = cProfile.Profile()
             profile.enable()
             for _ in range(rounds * reads_per_round // 4):

@@ -5,4 +5,4 @@ from mqd import native
 __version__ = "0.1.0"
 
 # The compiled build of the hot modules, when there is a current one (see mqd/native.py).
-native.activate(__path__)
+native.MQD.activate(__path__)

@@ -352,22 +352,24 @@ def version() -> None:
     from mqd import native
 
     click.echo(f"mqd {__version__}")
-    click.echo(f"modules: {native.state}")
+    for build in native.builds():
+        click.echo(f"modules of {build.package}: {build.state}")
 
 
 @main.command("build-native")
 @click.option("--force", is_flag=True, help="Rebuild even when the build is up to date.")
 def build_native(force: bool) -> None:
-    """Compile the hot modules with mypyc (bin/setup does this)."""
+    """Compile the hot modules of mqd and its plugins with mypyc (bin/setup does this)."""
     from mqd import native
 
     if native.forced_pure():
         click.echo(f"{native.PURE_ENV} is set: nothing built, mqd runs pure Python")
         return
-    try:
-        click.echo(native.build(force))
-    except native.BuildError as error:
-        raise click.ClickException(str(error)) from None
+    for build in native.builds():
+        try:
+            click.echo(build.build(force))
+        except native.BuildError as error:
+            raise click.ClickException(f"{build.package}: {error}") from None
 
 
 if __name__ == "__main__":

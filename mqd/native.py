@@ -1,20 +1,24 @@
 """Compiled builds of the hot modules (mypyc), used when present and current.
 
 The code is mypy-strict, so mypyc compiles it unchanged into C extensions;
-the pure-Python sources stay the reference and the fallback. `mqd build-native`
-(which `bin/setup` runs) compiles `MODULES` into `mqd/_native/<python tag>/`,
+the pure-Python sources stay the reference and the fallback. Each package
+with hot modules has a `Native`: mqd's own (`MQD`, the protocol parser) and
+those plugins name in the `mqd.native` entry-point group (the Berkeley DB
+plugin's store and worker). `mqd build-native` (which `bin/setup` runs)
+compiles each package's modules into `<package>/_native/<python tag>/`,
 beside the sources but never in place of them. When the package is
 imported, `activate` puts that directory first on the package's search path,
 so `import mqd.protocol` loads the compiled module, but only if:
 
 - the environment variable MQD_PURE_PYTHON is unset, empty or "0"
-  (set it to 1 to force the pure-Python path), and
+  (set it to 1 to force the pure-Python path everywhere), and
 - the build was made from exactly the sources present now (a digest of every
-  module of the package is kept with it: compiled code also relies on the
-  types of what it imports). After any edit the pure-Python path is used
-  until the next build, so a stale build is never run.
+  module of the package, and of the packages it relies on, is kept with it:
+  compiled code also relies on the types of what it imports). After any edit
+  the pure-Python path is used until the next build, so a stale build is
+  never run.
 
-`mqd version` says which path is in use.
+`mqd version` says which path each package is on.
 """
 
 from __future__ import annotations
@@ -23,117 +27,173 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 
-# Modules of the `mqd` package to compile, without ".py": those on every
-# command's path that mypyc compiles and whose tests pass compiled.
-MODULES = ("protocol",)
 PURE_ENV = "MQD_PURE_PYTHON"
-
-PACKAGE = Path(__file__).resolve().parent
-BUILD = PACKAGE / "_native" / sys.implementation.cache_tag
+ENTRY_POINTS = "mqd.native"  # plugins' builds: a Native each
 MANIFEST = "manifest.json"
 
-# What activate() found, for `mqd version` and the tests.
-state = "pure Python (not activated)"
-compiled: tuple[str, ...] = ()
-
-
-def source_digest(package: Path | None = None) -> str:
-    """A digest of every module of the package (or a copy of it), in a stable order."""
-    package = package or PACKAGE
-    h = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        if "_native" in path.relative_to(package).parts:
-            continue
-        h.update(str(path.relative_to(package)).encode() + b"\0")
-        h.update(path.read_bytes())
-    return h.hexdigest()
-
-
-def _manifest() -> dict[str, object] | None:
-    try:
-        data = json.loads((BUILD / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def forced_pure() -> bool:
-    return os.environ.get(PURE_ENV, "") not in ("", "0")
-
-
-def activate(package_path: list[str]) -> None:
-    """Put the compiled build first on `package_path` (mqd.__path__) if it may be used."""
-    global state, compiled
-    if forced_pure():
-        state = f"pure Python ({PURE_ENV} is set)"
-        return
-    manifest = _manifest()
-    if manifest is None:
-        state = "pure Python (no compiled build: run bin/setup)"
-        return
-    if manifest.get("sources") != source_digest():
-        state = "pure Python (the compiled build is older than the sources: run bin/setup)"
-        return
-    modules = manifest.get("modules")
-    if not isinstance(modules, list):
-        state = "pure Python (the compiled build's manifest is damaged: run bin/setup)"
-        return
-    package_path.insert(0, str(BUILD / "mqd"))
-    compiled = tuple(str(m) for m in modules)
-    state = f"compiled with mypyc: {', '.join(compiled)}"
+# Compiles the modules given into extensions in place, all of them in one
+# group whose shared library sits inside the package (argv[1] names it), where
+# activate() finds it; mypyc's own command line puts it outside.
+_SETUP = """\
+import sys
+from mypyc.build import mypycify
+from setuptools import setup
+setup(
+    name="mqd-native",
+    ext_modules=mypycify(["--ignore-missing-imports", *sys.argv[2:]], group_name=sys.argv[1]),
+    script_args=["build_ext", "--inplace"],
+)
+"""
 
 
 class BuildError(Exception):
     """The compiled build could not be made; the message says why."""
 
 
-def build(force: bool = False) -> str:
-    """Compile MODULES unless an up-to-date build is there; return what was done."""
-    # Imported here: every start of mqd imports this module, few of them build.
-    import shutil
-    import subprocess
-    import tempfile
+def forced_pure() -> bool:
+    return os.environ.get(PURE_ENV, "") not in ("", "0")
 
-    if not force and _manifest() == {"modules": list(MODULES), "sources": source_digest()}:
-        return f"up to date: {BUILD}"
-    try:
-        import mypyc  # noqa: F401  (only checking it is there)
-    except ImportError:
-        raise BuildError("mypyc is needed to build; it comes with mypy: pip install mypy") from None
-    with tempfile.TemporaryDirectory(prefix="mqd-native-") as tmp:
-        # mypyc writes its extensions next to the sources it compiles: compile
-        # a copy, so the package directory itself never holds a compiled module.
-        work = Path(tmp)
-        shutil.copytree(
-            PACKAGE, work / "mqd", ignore=shutil.ignore_patterns("_native", "__pycache__", "*.so")
-        )
-        run = subprocess.run(
-            [sys.executable, "-m", "mypyc", *(f"mqd/{m}.py" for m in MODULES)],
-            cwd=work,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if run.returncode != 0:
-            raise BuildError(f"mypyc failed:\n{run.stdout[-4000:]}{run.stderr[-4000:]}")
-        if list(work.glob("*.so")):
-            # Several modules compiled together share a runtime library that
-            # mypyc puts outside the package, where activate() does not look.
-            raise BuildError("MODULES may name one module: several need a shared library")
-        # The digest of the copy compiled, should the sources change meanwhile.
-        manifest = {"modules": list(MODULES), "sources": source_digest(work / "mqd")}
-        staging = BUILD.with_name(BUILD.name + ".new")
-        shutil.rmtree(staging, ignore_errors=True)
-        (staging / "mqd").mkdir(parents=True)
-        for so in (work / "mqd").glob("*.so"):
-            shutil.copy2(so, staging / "mqd" / so.name)
-        (staging / MANIFEST).write_text(json.dumps(manifest))
-    old = BUILD.with_name(BUILD.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if BUILD.exists():
-        BUILD.rename(old)
-    staging.rename(BUILD)
-    shutil.rmtree(old, ignore_errors=True)
-    return f"built {', '.join(MODULES)} into {BUILD}"
+
+def _digest(roots: Sequence[Path]) -> str:
+    """A digest of every module under `roots`, in a stable order."""
+    h = hashlib.sha256()
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            relative = path.relative_to(root)
+            if "_native" in relative.parts:
+                continue
+            h.update(f"{root.name}/{relative}".encode() + b"\0")
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+class Native:
+    """The compiled build of one package's hot modules."""
+
+    def __init__(
+        self,
+        package: str,
+        directory: Path,
+        modules: tuple[str, ...],
+        relies_on: tuple[Path, ...] = (),
+    ) -> None:
+        self.package = package  # the import name, e.g. "mqd_bdb"
+        self.directory = directory  # the package's sources
+        self.modules = modules  # which of them to compile, without ".py"
+        self.relies_on = relies_on  # other packages whose types the modules use
+        self.build_dir = directory / "_native" / sys.implementation.cache_tag
+        # What activate() found, for `mqd version` and the tests.
+        self.state = "pure Python (not activated)"
+        self.compiled: tuple[str, ...] = ()
+
+    def _roots(self, base: Path | None = None) -> list[Path]:
+        roots = [self.directory, *self.relies_on]
+        return roots if base is None else [base / root.name for root in roots]
+
+    def source_digest(self) -> str:
+        """The digest of the sources present now (the build's must match it)."""
+        return _digest(self._roots())
+
+    def manifest(self) -> dict[str, object] | None:
+        try:
+            data = json.loads((self.build_dir / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def current(self) -> bool:
+        """Whether there is a build of these modules made from the sources present."""
+        wanted = {"modules": list(self.modules), "sources": self.source_digest()}
+        return self.manifest() == wanted
+
+    def activate(self, package_path: list[str]) -> None:
+        """Put the compiled build first on `package_path` (the package's __path__) if usable."""
+        if forced_pure():
+            self.state = f"pure Python ({PURE_ENV} is set)"
+            return
+        manifest = self.manifest()
+        if manifest is None:
+            self.state = "pure Python (no compiled build: run bin/setup)"
+            return
+        if manifest.get("sources") != self.source_digest():
+            self.state = "pure Python (the compiled build is older than the sources: run bin/setup)"
+            return
+        modules = manifest.get("modules")
+        if not isinstance(modules, list):
+            self.state = "pure Python (the compiled build's manifest is damaged: run bin/setup)"
+            return
+        package_path.insert(0, str(self.build_dir / self.package))
+        self.compiled = tuple(str(m) for m in modules)
+        self.state = f"compiled with mypyc: {', '.join(self.compiled)}"
+
+    def build(self, force: bool = False) -> str:
+        """Compile the modules unless an up-to-date build is there; return what was done."""
+        # Imported here: every start of mqd imports this module, few of them build.
+        import shutil
+        import subprocess
+        import tempfile
+
+        if not force and self.current():
+            return f"{self.package}: up to date: {self.build_dir}"
+        try:
+            import mypyc  # noqa: F401  (only checking it is there)
+        except ImportError:
+            needed = "mypyc is needed to build; it comes with mypy: pip install mypy"
+            raise BuildError(needed) from None
+        with tempfile.TemporaryDirectory(prefix=f"{self.package}-native-") as tmp:
+            # mypyc writes its extensions next to the sources it compiles:
+            # compile a copy, so the package directory never holds a compiled
+            # module. The packages relied on are copied for their types alone.
+            work = Path(tmp)
+            for root in self._roots():
+                shutil.copytree(
+                    root,
+                    work / root.name,
+                    ignore=shutil.ignore_patterns("_native", "__pycache__", "*.so", "*.egg-info"),
+                )
+            sources = [f"{self.package}/{m}.py" for m in self.modules]
+            run = subprocess.run(
+                [sys.executable, "-c", _SETUP, f"{self.package}.native", *sources],
+                cwd=work,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if run.returncode != 0:
+                raise BuildError(f"mypyc failed:\n{run.stdout[-4000:]}{run.stderr[-4000:]}")
+            if list(work.glob("*.so")):
+                outside = f"mypyc put a library outside {self.package}, where activate() misses it"
+                raise BuildError(outside)
+            # The digest of the copy compiled, should the sources change meanwhile.
+            manifest = {"modules": list(self.modules), "sources": _digest(self._roots(work))}
+            staging = self.build_dir.with_name(self.build_dir.name + ".new")
+            shutil.rmtree(staging, ignore_errors=True)
+            (staging / self.package).mkdir(parents=True)
+            for so in (work / self.package).glob("*.so"):
+                shutil.copy2(so, staging / self.package / so.name)
+            (staging / MANIFEST).write_text(json.dumps(manifest))
+        old = self.build_dir.with_name(self.build_dir.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if self.build_dir.exists():
+            self.build_dir.rename(old)
+        staging.rename(self.build_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        return f"{self.package}: built {', '.join(self.modules)} into {self.build_dir}"
+
+
+#: mqd's own hot module: the memcached parser and reply rendering, on every command's path.
+MQD = Native("mqd", Path(__file__).resolve().parent, ("protocol",))
+
+
+def builds() -> list[Native]:
+    """mqd's build and those of the installed plugins (the `mqd.native` entry points)."""
+    found = [MQD]
+    for entry in entry_points(group=ENTRY_POINTS):
+        plugin = entry.load()
+        if isinstance(plugin, Native):
+            found.append(plugin)
+    return found

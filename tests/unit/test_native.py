@@ -1,12 +1,12 @@
-"""The compiled build of the hot modules (mqd/native.py) and its pure-Python fallback.
+"""The compiled builds of the hot modules (mqd/native.py) and their pure-Python fallback.
 
-bin/setup builds it and bin/test runs the protocol and wire tests a second time
-with MQD_PURE_PYTHON=1, so both paths are tested; these tests check the switch.
+bin/setup builds them and bin/test runs the protocol, wire and Berkeley DB
+tests a second time with MQD_PURE_PYTHON=1, so both paths are tested; these
+tests check the switch, for mqd's build and the Berkeley DB plugin's.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,60 +16,84 @@ import pytest
 
 from mqd import native
 
-PROBE = "import mqd.native, mqd.protocol; print(mqd.protocol.__file__); print(mqd.native.state)"
+# A module of each build, and the build itself.
+MODULES = {"mqd.protocol": "mqd", "mqd_bdb.worker": "mqd_bdb"}
+PROBE = """\
+import importlib, sys
+from mqd import native
+module = importlib.import_module(sys.argv[1])
+build = {b.package: b for b in native.builds()}[sys.argv[2]]
+print(module.__file__)
+print(build.state)
+"""
 
 
-def _probe(**env: str) -> tuple[str, str]:
-    """Where a fresh interpreter loads mqd.protocol from, and what mqd.native says."""
+def _builds() -> dict[str, native.Native]:
+    return {b.package: b for b in native.builds()}
+
+
+def _probe(module: str, **env: str) -> tuple[str, str]:
+    """Where a fresh interpreter loads `module` from, and what its build says."""
     environ = {k: v for k, v in os.environ.items() if k != native.PURE_ENV}
     environ.update(env)
     out = subprocess.run(
-        [sys.executable, "-c", PROBE], env=environ, capture_output=True, text=True, check=True
+        [sys.executable, "-c", PROBE, module, MODULES[module]],
+        env=environ,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.splitlines()
     return out[0], out[1]
 
 
-def _current_build() -> bool:
-    try:
-        manifest = json.loads((native.BUILD / native.MANIFEST).read_text())
-    except OSError:
-        return False
-    return bool(manifest.get("sources") == native.source_digest())
+def test_the_plugin_build_is_found() -> None:
+    builds = _builds()
+    assert set(builds) == {"mqd", "mqd_bdb"}
+    assert "worker" in builds["mqd_bdb"].modules
+    # The plugin's compiled code relies on mqd's types: an edit there makes it stale too.
+    assert native.MQD.directory in builds["mqd_bdb"].relies_on
 
 
-def test_pure_python_when_forced() -> None:
-    path, state = _probe(MQD_PURE_PYTHON="1")
-    assert path.endswith("mqd/protocol.py")
+@pytest.mark.parametrize("module", MODULES)
+def test_pure_python_when_forced(module: str) -> None:
+    path, state = _probe(module, MQD_PURE_PYTHON="1")
+    assert path.endswith(module.replace(".", "/") + ".py")
     assert native.PURE_ENV in state
 
 
-@pytest.mark.skipif(not _current_build(), reason="no current compiled build (bin/setup makes it)")
-def test_compiled_when_built_and_current() -> None:
+@pytest.mark.parametrize("module", MODULES)
+def test_compiled_when_built_and_current(module: str) -> None:
+    build = _builds()[MODULES[module]]
+    if not build.current():
+        pytest.skip(f"no current compiled build of {build.package} (bin/setup makes it)")
     for env in ({}, {native.PURE_ENV: "0"}, {native.PURE_ENV: ""}):
-        path, state = _probe(**env)
-        assert path.startswith(str(native.BUILD)), env
+        path, state = _probe(module, **env)
+        assert path.startswith(str(build.build_dir)), env
         assert path.endswith(".so"), env
-        assert state == "compiled with mypyc: protocol"
+        assert state == f"compiled with mypyc: {', '.join(build.modules)}"
 
 
 def test_stale_build_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     # A build made from other sources (the manifest's digest differs): never loaded.
     monkeypatch.delenv(native.PURE_ENV, raising=False)
-    monkeypatch.setattr(native, "state", native.state)  # restored afterwards
-    monkeypatch.setattr(native, "_manifest", lambda: {"modules": ["protocol"], "sources": "0"})
+    build = native.Native("mqd", native.MQD.directory, ("protocol",))
+    monkeypatch.setattr(build, "manifest", lambda: {"modules": ["protocol"], "sources": "0"})
     path: list[str] = ["/src/mqd"]
-    native.activate(path)
+    build.activate(path)
     assert path == ["/src/mqd"]
-    assert "older than the sources" in native.state
+    assert "older than the sources" in build.state
 
 
-def test_source_digest_follows_every_module(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    (tmp_path / "a.py").write_text("x = 1\n")
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
-    monkeypatch.setattr(native, "PACKAGE", tmp_path)
-    before = native.source_digest()
-    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
-    assert native.source_digest() != before
+def test_source_digest_follows_every_module_and_what_it_relies_on(tmp_path: Path) -> None:
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "sub" / "b.py").write_text("y = 2\n")
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "c.py").write_text("z = 3\n")
+    build = native.Native("pkg", tmp_path / "pkg", ("a",), relies_on=(tmp_path / "base",))
+    digests = {build.source_digest()}
+    (tmp_path / "pkg" / "sub" / "b.py").write_text("y = 3\n")
+    digests.add(build.source_digest())
+    (tmp_path / "base" / "c.py").write_text("z = 4\n")
+    digests.add(build.source_digest())
+    assert len(digests) == 3

@@ -1,5 +1,37 @@
 """Berkeley DB storage for mqd: the `bdb`, `bdb-single` and `bdb-random` backends."""
 
-from mqd_bdb.backend import BdbBackend, BdbRandomBackend, BdbSingleBackend
+from pathlib import Path
 
-__all__ = ["BdbBackend", "BdbRandomBackend", "BdbSingleBackend"]
+from mqd import native
+
+#: The modules every queued command runs through, compiled by `mqd build-native`
+#: (mqd/native.py; named in the `mqd.native` entry-point group). Compiled, they
+#: take about a sixth off the CPU time of a durable pipelined command.
+NATIVE = native.Native(
+    "mqd_bdb",
+    Path(__file__).resolve().parent,
+    (
+        "backend",
+        "catalog",
+        "deferred",
+        "fifo",
+        "index",
+        "jobs",
+        "leases",
+        "operations",
+        "per_queue",
+        "queue_ops",
+        "random_set",
+        "records",
+        "single",
+        "space",
+        "store",
+        "worker",
+    ),
+    relies_on=(native.MQD.directory,),
+)
+NATIVE.activate(__path__)
+
+from mqd_bdb.backend import BdbBackend, BdbRandomBackend, BdbSingleBackend  # noqa: E402
+
+__all__ = ["NATIVE", "BdbBackend", "BdbRandomBackend", "BdbSingleBackend"]

@@ -80,12 +80,11 @@ class PerQueueStore(FifoStore):
         for q in emptied:
             btree, table = (self.data_dir / (q.stem + suffix) for suffix in (".btree", ".hash"))
             with contextlib.suppress(FileNotFoundError):
-                if btree.stat().st_size + table.stat().st_size < COMPACT_MIN_BYTES:
-                    continue
-                if q.mdb is None:
-                    self._attach(q)
-                q.mdb.compact(flags=db.DB_FREE_SPACE)
-                q.udb.compact(flags=db.DB_FREE_SPACE)
+                if btree.stat().st_size + table.stat().st_size >= COMPACT_MIN_BYTES:
+                    if q.mdb is None:
+                        self._attach(q)
+                    q.mdb.compact(flags=db.DB_FREE_SPACE)
+                    q.udb.compact(flags=db.DB_FREE_SPACE)
 
     def _clear_index(self, txn: Any, q: QueueState, limit: int) -> int:
         q.udb.truncate(txn)  # the file holds this queue's counts only
