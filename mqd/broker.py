@@ -639,24 +639,36 @@ class Broker:
             if self._stamp:
                 state.used = time.monotonic()
             lease = state.leases.get(name) or state.leases.setdefault(name, NamedLease(queue, name))
+            messages: list[Message] | None
             async with lease.lock:
                 if state.leases.get(name) is not lease:
-                    continue  # ended (given back, acknowledged) while this waited for it
-                if visibility and visibility != lease.timeout:
-                    lease.timeout = visibility
-                    lease.renewed = -math.inf  # what it holds gets the new deadline now
-                try:
-                    await self._reserve_into(state, lease, count)
-                finally:
-                    if lease.held:
-                        await self._renew(state, lease)
-                    else:
-                        self._end(state, lease)
-                messages = [message for message, _ in islice(lease.held.values(), count)]
+                    # Ended (given back, acknowledged) while this waited for it.
+                    # (No `continue` here: mypyc can't compile one in a `with`.)
+                    messages = None
+                else:
+                    messages = await self._lease_into(state, lease, count, visibility)
+            if messages is None:
+                continue
             left = deadline - loop.time()
             if messages or left <= 0 or self.stopping:
                 return messages
             await self._wait([queue], left, session)
+
+    async def _lease_into(
+        self, state: QueueState, lease: NamedLease, count: int, visibility: float
+    ) -> list[Message]:
+        """Fill `lease` (its lock held) up to `count`; the first `count` messages it holds."""
+        if visibility and visibility != lease.timeout:
+            lease.timeout = visibility
+            lease.renewed = -math.inf  # what it holds gets the new deadline now
+        try:
+            await self._reserve_into(state, lease, count)
+        finally:
+            if lease.held:
+                await self._renew(state, lease)
+            else:
+                self._end(state, lease)
+        return [message for message, _ in islice(lease.held.values(), count)]
 
     async def _reserve_into(self, state: QueueState, lease: NamedLease, count: int) -> None:
         """Reserve head messages into `lease` until it holds `count` or LEASE_BYTES of bodies."""

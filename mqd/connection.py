@@ -21,7 +21,9 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
+
+from mypy_extensions import mypyc_attr
 
 from mqd import __version__, protocol
 from mqd.backend import PUT_STORED, Pending, Put
@@ -65,10 +67,23 @@ BAD_TOKEN = b"CLIENT_ERROR bad authentication token format\r\n"
 AUTH_FAILED = b"CLIENT_ERROR authentication failure\r\n"
 
 
+class Parser(Protocol):
+    """What a connection reads commands with: memcached's (mqd.protocol) or RESP's."""
+
+    @property
+    def partial(self) -> bool:
+        """Whether a command has begun to arrive but is not whole yet."""
+
+    def feed(self, data: bytes) -> list[Any]:
+        """The commands `data` completes, in order."""
+
+
+# Compiled (mqd/native.py), yet the Redis listener's connection subclasses it.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Connection(asyncio.Protocol):
     """One client connection."""
 
-    refusal = TOO_MANY_CONNECTIONS  # the reply when max_connections are open
+    refusal: ClassVar[bytes] = TOO_MANY_CONNECTIONS  # the reply when max_connections are open
     #: Whether a group of sets and gets calls the broker itself (memcached's
     #: commands) rather than through _execute (a protocol that answers its own way).
     straight_to_broker: ClassVar[bool] = True
@@ -76,10 +91,10 @@ class Connection(asyncio.Protocol):
     def __init__(self, server: Server) -> None:
         self.server = server
         self.broker = server.broker
-        self.parser = protocol.Parser(server.config.max_item_size)
+        self.parser: Parser = protocol.Parser(server.config.max_item_size)
         self.session = Session(self.flush)
         self.transport: asyncio.Transport | None = None
-        self.pending: deque[protocol.Command] = deque()
+        self.pending: deque[Any] = deque()  # memcached commands, or RESP requests
         self.out: list[bytes] = []
         self.task: asyncio.Task[None] | None = None
         self.closed = True  # until admitted: nothing it sends is run
@@ -250,21 +265,22 @@ class Connection(asyncio.Protocol):
                 # The two commands that carry the load, run here rather than
                 # through _execute: one coroutine fewer for each.
                 elif kind is Store:
+                    store = cast(Store, command)
                     try:
-                        stored = await broker.store(command, self)  # type: ignore[arg-type]
+                        stored = await broker.store(store, self)
                     except Exception as error:
-                        reply = self._failure(command, error)
+                        reply = self._failure(store, error)
                     else:
                         reply = (
                             STORED
-                            if stored is PUT_STORED and not command.noreply  # type: ignore[union-attr]
-                            else _store_reply(command, stored)  # type: ignore[arg-type]
+                            if stored is PUT_STORED and not store.noreply
+                            else _store_reply(store, stored)
                         )
                 elif (
                     kind is Retrieve
-                    and len(keys := command.keys) == 1  # type: ignore[union-attr]
+                    and len(keys := cast(Retrieve, command).keys) == 1
                     and keys[0].plain
-                    and not command.with_ids  # type: ignore[union-attr]
+                    and not cast(Retrieve, command).with_ids
                 ):
                     key = keys[0]
                     try:
@@ -297,21 +313,24 @@ class Connection(asyncio.Protocol):
         finally:
             self.task = None
 
-    async def _execute(self, command: protocol.Command) -> bytes | None:
-        """Run one command: its reply, or None when it has none (noreply)."""
+    async def _execute(self, command: Any) -> bytes | None:
+        """Run one command: its reply, or None when it has none (noreply).
+
+        (Any: a subclass's protocol has requests of its own, e.g. RESP's.)
+        """
         kind = type(command)
         metrics = self.server.metrics
         started = time.perf_counter() if metrics is not None else 0.0
         try:
             if kind is Store:
-                stored = await self.broker.store(command)  # type: ignore[arg-type]
-                return _store_reply(command, stored)  # type: ignore[arg-type]
+                stored = await self.broker.store(command)
+                return _store_reply(command, stored)
             if kind is Retrieve:
-                keys = command.keys  # type: ignore[union-attr]
+                keys = command.keys
                 if len(keys) > GET_PIECE and all(k.plain or k.peek or k.at for k in keys):
-                    return await self._retrieve_in_pieces(command)  # type: ignore[arg-type]
-                hits = await self.broker.retrieve(command, self.session)  # type: ignore[arg-type]
-                return protocol.values_reply(hits, command.with_ids)  # type: ignore[union-attr]
+                    return await self._retrieve_in_pieces(command)
+                hits = await self.broker.retrieve(command, self.session)
+                return protocol.values_reply(hits, command.with_ids)
             return await _DISPATCH[kind](self, command)
         except Exception as error:
             return self._failure(command, error)
@@ -319,7 +338,7 @@ class Connection(asyncio.Protocol):
             if metrics is not None:
                 metrics.observe(command, started)
 
-    def _failure(self, command: protocol.Command, error: Exception) -> bytes | None:
+    def _failure(self, command: Any, error: Exception) -> bytes | None:
         """The reply to a command that raised `error` (None: noreply), logged and counted."""
         metrics = self.server.metrics
         noreply = getattr(command, "noreply", False)
@@ -337,7 +356,7 @@ class Connection(asyncio.Protocol):
         log.exception("command failed: %r", command, exc_info=error)
         return protocol.error_line(ServerError("internal error"))
 
-    async def _run_group(self, first: protocol.Command) -> None:
+    async def _run_group(self, first: Any) -> None:
         """Start `first` and the sets and plain gets right behind it together; reply in order.
 
         Each is run now up to its first wait, in order, so their storage calls
@@ -383,7 +402,7 @@ class Connection(asyncio.Protocol):
             elif isinstance(command, Store):
                 reply = _store_reply(command, result)
             else:
-                reply = protocol.values_reply(result, command.with_ids)  # type: ignore[union-attr]
+                reply = protocol.values_reply(result, command.with_ids)
             if reply:
                 self._emit(reply)
 
@@ -466,7 +485,7 @@ class Connection(asyncio.Protocol):
                 await self._writable
         return END
 
-    def _login(self, command: protocol.Command) -> bytes:
+    def _login(self, command: Any) -> bytes:
         """memcached's text-protocol login: the first `set`'s data is `<user> <password>`.
 
         Returns the reply, or b"" for a command that runs anyway (a fatal parse error).

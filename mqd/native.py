@@ -2,7 +2,7 @@
 
 The code is mypy-strict, so mypyc compiles it unchanged into C extensions;
 the pure-Python sources stay the reference and the fallback. Each package
-with hot modules has a `Native`: mqd's own (`MQD`, the protocol parser) and
+with hot modules has a `Native`: mqd's own (`MQD`: parser, connection, broker) and
 those plugins name in the `mqd.native` entry-point group (the Berkeley DB
 plugin's store and worker). `mqd build-native` (which `bin/setup` runs)
 compiles each package's modules into `<package>/_native/<python tag>/`,
@@ -185,8 +185,15 @@ class Native:
         return f"{self.package}: built {', '.join(self.modules)} into {self.build_dir}"
 
 
-#: mqd's own hot module: the memcached parser and reply rendering, on every command's path.
-MQD = Native("mqd", Path(__file__).resolve().parent, ("protocol",))
+#: mqd's own hot modules, on every command's path: the memcached parser and
+#: reply rendering, the connection, the broker and what they share. Not
+#: mqd.backend: a build takes another package's classes for interpreted ones,
+#: so a compiled plugin's backend can only subclass an interpreted Backend.
+MQD = Native(
+    "mqd",
+    Path(__file__).resolve().parent,
+    ("broker", "connection", "eager", "protocol", "stats"),
+)
 
 
 def builds() -> list[Native]:

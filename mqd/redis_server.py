@@ -55,7 +55,7 @@ class RedisConnection(Connection):
 
     def __init__(self, server: Server) -> None:
         super().__init__(server)
-        self.parser = resp.Parser(server.config.max_item_size)  # type: ignore[assignment]
+        self.parser = resp.Parser(server.config.max_item_size)
         self.id = next(_ids)
         self.name = b""
         self._gets: dict[bytes, Retrieve] = {}
