@@ -14,6 +14,7 @@ NATIVE = native.Native(
         "backend",
         "catalog",
         "deferred",
+        "environment",
         "fifo",
         "index",
         "jobs",

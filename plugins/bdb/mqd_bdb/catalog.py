@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import operator
+from pathlib import Path
 from typing import Any
 
 from berkeleydb import db
 
 from mqd.backend import QueueSize
 from mqd.errors import StorageError
+from mqd_bdb.config import BdbConfig
 from mqd_bdb.environment import Environment
 from mqd_bdb.names import decode_name, encode_name
 from mqd_bdb.records import (
@@ -171,8 +173,8 @@ Snapshot = tuple[QueueState, bool, tuple[Any, ...]]
 class Catalog(Environment):
     """The queues of an environment, loaded at open and saved with every batch."""
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, data_dir: Path, config: BdbConfig) -> None:
+        super().__init__(data_dir, config)
         self.queues: dict[str, QueueState] = {}
         self.next_qid = 0
         self.purges: list[bytes] = []  # qid keys of deleted queues with records left

@@ -21,11 +21,13 @@ aborts takes its deferred puts with it: the retry runs the jobs afresh.
 from __future__ import annotations
 
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from mqd.backend import Limits, Message, Put
 from mqd_bdb import jobs
 from mqd_bdb.catalog import QueueState
+from mqd_bdb.config import BdbConfig
 from mqd_bdb.index import BodyIndex
 from mqd_bdb.operations import ChildLimits
 from mqd_bdb.records import U64
@@ -40,8 +42,8 @@ Deferred = tuple[QueueState, deque[Message]]
 class DeferredPuts(BodyIndex):
     """Runs a batch's jobs, deferring plain puts and pairing takes with them."""
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, data_dir: Path, config: BdbConfig) -> None:
+        super().__init__(data_dir, config)
         self._deferred: dict[str, Deferred] = {}  # by queue name, in the running batch
 
     def _start_run(self) -> None:

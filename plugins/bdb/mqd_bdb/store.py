@@ -17,6 +17,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 from berkeleydb import db
@@ -24,6 +25,7 @@ from berkeleydb import db
 from mqd.errors import StorageError
 from mqd_bdb import jobs
 from mqd_bdb.catalog import Catalog, QueueState
+from mqd_bdb.config import BdbConfig
 from mqd_bdb.errors import storage_error
 from mqd_bdb.space import LOOK_S, is_disk_full
 
@@ -44,8 +46,8 @@ class Store(Catalog):
     #: Operations that must run in a transaction of their own.
     barrier_ops: ClassVar[frozenset[int]] = frozenset()
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, data_dir: Path, config: BdbConfig) -> None:
+        super().__init__(data_dir, config)
         self._compacted = self._checkpointed = 0.0
         self.paired = 0  # puts a take handed out in their own batch, never written (for tests)
         self._opened: tuple[dict[str, Any], int] = ({}, 0)  # the open transaction's undo
