@@ -200,7 +200,10 @@ def builds() -> list[Native]:
     """mqd's build and those of the installed plugins (the `mqd.native` entry points)."""
     found = [MQD]
     for entry in entry_points(group=ENTRY_POINTS):
-        plugin = entry.load()
+        try:
+            plugin = entry.load()
+        except ImportError:
+            continue  # a plugin that can't be imported can't run either: nothing to build
         if isinstance(plugin, Native):
             found.append(plugin)
     return found
