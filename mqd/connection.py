@@ -67,7 +67,7 @@ BAD_TOKEN = b"CLIENT_ERROR bad authentication token format\r\n"
 AUTH_FAILED = b"CLIENT_ERROR authentication failure\r\n"
 
 
-class Parser(Protocol):
+class CommandParser(Protocol):
     """What a connection reads commands with: memcached's (mqd.protocol) or RESP's."""
 
     @property
@@ -91,7 +91,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, server: Server) -> None:
         self.server = server
         self.broker = server.broker
-        self.parser: Parser = protocol.Parser(server.config.max_item_size)
+        self.parser: CommandParser = protocol.Parser(server.config.max_item_size)
         self.session = Session(self.flush)
         self.transport: asyncio.Transport | None = None
         self.pending: deque[Any] = deque()  # memcached commands, or RESP requests
