@@ -14,6 +14,7 @@ declared at the end of Store.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from mqd_bdb.catalog import Catalog, QueueState
 from mqd_bdb.config import BdbConfig
 from mqd_bdb.errors import storage_error
 from mqd_bdb.space import LOOK_S, is_disk_full
+
+log = logging.getLogger("mqd.bdb")
 
 COMPACT_MIN_BYTES = 1 << 20  # a single-file layout's file is not compacted below this
 
@@ -127,16 +130,20 @@ class Store(Catalog):
         return admitted
 
     def _segment(
-        self, segment: list[jobs.Job], results: list[jobs.Result], published: dict[str, Any]
+        self,
+        segment: list[jobs.Job],
+        results: list[jobs.Result],
+        published: dict[str, Any],
+        again: bool = False,
     ) -> None:
         try:
             values = self._attempt(segment, published)
         except Exception as exc:
-            if is_disk_full(exc) and self.space.release():
-                # The reserve is out: what frees space runs in its room, puts are refused.
+            if is_disk_full(exc) and not again and self._free_disk():
+                # What frees space runs in the room made, puts are refused.
                 rest = self._admit(segment, results)
                 if rest:
-                    self._segment(rest, results, published)
+                    self._segment(rest, results, published, again=True)
                 return
             if len(segment) == 1 or self.panicked:
                 error = storage_error(exc)
@@ -152,6 +159,23 @@ class Store(Catalog):
                     results.append((job, None, value))
             return
         results.extend((job, None, value) for job, value in zip(segment, values, strict=True))
+
+    def _free_disk(self) -> bool:
+        """The disk is full: release the reserve (if still in), checkpoint so that
+        the log files recovery no longer needs go; whether there may be room now.
+
+        The checkpoint is what a full disk usually needs: the log grows by
+        `checkpoint_mb` between checkpoints, more than a small disk may hold.
+        """
+        released = self.space.release()
+        try:
+            self.free_log()
+        except Exception as exc:
+            if not is_disk_full(exc):
+                log.warning("checkpoint on a full disk failed: %s", exc)
+            return released
+        self._checkpointed = time.monotonic()
+        return True
 
     def _attempt(self, segment: list[jobs.Job], published: dict[str, Any]) -> list[Any]:
         """Run `segment` in one transaction, first counting bodies where a put needs it."""
@@ -228,11 +252,15 @@ class Store(Catalog):
             self._compacted = now
             emptied, freed, self.emptied, self.freed = self.emptied, self.freed, set(), False
             self._compact([q for q in map(self.queues.get, emptied) if q and not q.items], freed)
-        if self.space.out and now - self._checkpointed >= LOOK_S:
-            # Old log files go at a checkpoint: take one often while short of room.
-            self._checkpointed = now
-            self.free_log()
-            self.space.look()
+        if self.space.out:
+            # Old log files go at a checkpoint: while short of room, one as
+            # soon as a log file's worth is written (gets log the bodies they
+            # remove: a drain writes fast), and one on the clock to look.
+            self.env.txn_checkpoint(self.config.log_file_mb << 10, 0)
+            if now - self._checkpointed >= LOOK_S:
+                self._checkpointed = now
+                self.free_log()
+                self.space.look()
 
     def _compact(self, emptied: list[QueueState], freed: bool) -> None:
         """Return the free pages of the files of `emptied` queues to the file system.

@@ -14,7 +14,7 @@ from pymemcache.exceptions import MemcacheServerError
 
 from mqd.testing.daemon import Daemon
 
-SMALL = "cache_mb = 4\nlog_file_mb = 1\n"  # a 6 MiB reserve: cache + 2 log files
+SMALL = "cache_mb = 4\nlog_file_mb = 1\ncheckpoint_mb = 1\n"  # a 6 MiB reserve: cache + 2 log files
 BODY = b"x" * 4000
 
 
