@@ -39,6 +39,8 @@ from typing import Any, ClassVar, NamedTuple, Protocol, cast
 
 from mqd.eager import run_together
 from mqd.errors import BackendLoadError
+from mqd.message import Message as Message
+from mqd.message import Receipt as Receipt
 
 log = logging.getLogger(__name__)
 
@@ -73,38 +75,6 @@ class Put(enum.Enum):
 #: Put.STORED for the per-command paths: an enum member read off its class
 #: costs a class attribute lookup (~50 ns here), a module global does not.
 PUT_STORED = Put.STORED
-
-
-class Receipt(NamedTuple):
-    """Names one reservation and no other.
-
-    A queue deleted and recreated has a new `incarnation`, and every reserve()
-    a new `token`, so a receipt from a lease that was lost (expired and
-    returned, or its queue deleted) never matches a later reservation, even of
-    a message at the same offset. The messages one reserve_many() opens may
-    share a token: their offsets already tell them apart. A named tuple, not a
-    frozen dataclass: a bulk reservation makes one per message, and a tuple is
-    made in a third of the time.
-    """
-
-    queue: str
-    incarnation: int
-    offset: int
-    token: int
-
-
-@dataclass(slots=True)
-class Message:
-    """One message. `offset` is assigned by the backend when it is stored."""
-
-    body: bytes
-    flags: int = 0
-    expires: float = 0  # Unix time after which it is never delivered; 0 = never
-    created: float = 0  # Unix time it was enqueued (for the head's age in stats)
-    offset: int = -1  # unique within the queue's incarnation, never reused in it
-    deliveries: int = 0  # hand-outs so far, counted by take() and reserve()
-    receipt: Receipt | None = None  # set by reserve(): the lease this hand-out holds
-    origin: str = ""  # set on a dead letter: the queue it was moved from
 
 
 @dataclass(frozen=True, slots=True)

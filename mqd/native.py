@@ -192,7 +192,7 @@ class Native:
 MQD = Native(
     "mqd",
     Path(__file__).resolve().parent,
-    ("broker", "connection", "eager", "protocol", "stats"),
+    ("broker", "connection", "eager", "message", "protocol", "stats"),
 )
 
 
