@@ -128,9 +128,10 @@ class Worker:
         self._seq = 0
         self._syncing = False  # whether a sync the loop asked for has not answered yet
         self._end_due = False  # whether the open round ends once it has
-        self._sync_cond = threading.Condition(threading.Lock())
-        self._sync_want = 0
-        self._sync_stop = False
+        # The round numbers to sync up to, None to stop: a queue rather than a
+        # condition, as each handover costs the sync thread the GIL, which
+        # the loop then waits to take back (one take per ask, not several).
+        self._sync_asks: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._env_lock = threading.Lock()  # held by the sync thread while it syncs, and by a reopen
         # The keeper's state, under its condition: the environment is used by
         # it only while `_env_open`; changes since it last looked; when
@@ -301,9 +302,7 @@ class Worker:
             self._seq += 1
             self._unsynced.append((self._seq, r, results, published, None))
             self._syncing = True
-            with self._sync_cond:
-                self._sync_want = self._seq
-                self._sync_cond.notify()
+            self._sync_asks.put(self._seq)
         elif self._unsynced:
             self._unsynced.append((0, r, results, published, error))  # after those ahead
         else:
@@ -340,15 +339,8 @@ class Worker:
 
     def _sync(self) -> None:
         """The sync thread: sync the log whenever the loop asks, then tell it."""
-        cond = self._sync_cond
-        done = 0
-        while True:
-            with cond:
-                while self._sync_want <= done and not self._sync_stop:
-                    cond.wait()
-                if self._sync_want <= done:
-                    return
-                target = self._sync_want
+        asks = self._sync_asks
+        while (target := asks.get()) is not None:
             error: BaseException | None = None
             try:
                 with self._env_lock:
@@ -356,7 +348,6 @@ class Worker:
                 self.flushes += 1
             except Exception as exc:
                 error = storage_error(exc)
-            done = target
             self._post(self._synced, target, error)
 
     def give_back(self, job: jobs.Job, value: Any) -> None:
@@ -560,9 +551,7 @@ class Worker:
             self._env_open = False
             self._keeper_cond.notify()
         self._keeper.join()
-        with self._sync_cond:
-            self._sync_stop = True
-            self._sync_cond.notify()
+        self._sync_asks.put(None)
         self._syncer.join()  # after the last sync the loop asked for
         error: BaseException | None = None
         try:
