@@ -86,12 +86,8 @@ class Store:
     def __init__(
         self, add: bool, queue: str, flags: int, exptime: int, body: bytes, noreply: bool
     ) -> None:
-        self.add = add
-        self.queue = queue
-        self.flags = flags
-        self.exptime = exptime
-        self.body = body
-        self.noreply = noreply
+        self.add, self.queue, self.flags = add, queue, flags
+        self.exptime, self.body, self.noreply = exptime, body, noreply
 
 
 @dataclass(frozen=True, slots=True)
