@@ -186,7 +186,7 @@ class Native:
 
 
 #: mqd's own hot modules, on every command's path: the memcached parser and
-#: reply rendering, the connection, the broker and what they share. Not
+#: reply rendering, the connection, the broker, the message and what they share. Not
 #: mqd.backend: a build takes another package's classes for interpreted ones,
 #: so a compiled plugin's backend can only subclass an interpreted Backend.
 MQD = Native(
