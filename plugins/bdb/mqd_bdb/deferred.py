@@ -20,11 +20,10 @@ aborts takes its deferred puts with it: the retry runs the jobs afresh.
 
 from __future__ import annotations
 
-from collections import deque
 from pathlib import Path
 from typing import Any
 
-from mqd.backend import Limits, Message, Put
+from mqd.backend import PUT_STORED, Limits, Message, Put
 from mqd_bdb import jobs
 from mqd_bdb.catalog import QueueState
 from mqd_bdb.config import BdbConfig
@@ -35,8 +34,9 @@ from mqd_bdb.records import U64
 #: Jobs that may change or read queues other than the one they name.
 ANY_QUEUE = frozenset({jobs.RELEASE, jobs.RELEASE_MANY, jobs.RECLAIM, jobs.LEASES, jobs.REDRIVE})
 
-#: A queue's deferred puts, oldest first.
-Deferred = tuple[QueueState, deque[Message]]
+#: A queue's deferred puts, oldest first: a list, not a deque, which compiled
+#: code reaches only through method lookups (and it holds a pipeline's few).
+Deferred = tuple[QueueState, list[Message]]
 
 
 class DeferredPuts(BodyIndex):
@@ -84,31 +84,25 @@ class DeferredPuts(BodyIndex):
         self._counted_in(q, message)
         pair = self._deferred.get(name)
         if pair is None:
-            self._deferred[name] = (q, deque((message,)))
+            self._deferred[name] = (q, [message])
         else:
             pair[1].append(message)
-        return Put.STORED
+        return PUT_STORED
 
     def _take_deferred(self, name: str) -> Message:
         """Nothing waits on disk: hand out the oldest deferred put, never written."""
         q, waiting = self._deferred[name]
-        put = waiting.popleft()
+        put = waiting.pop(0)
         if not waiting:
             del self._deferred[name]
         self.paired += 1
         offset = put.offset
         q.removed(q.mpre + U64.pack(offset), len(put.body))
         q.hint = offset + 1  # as after any take: no waiting message sorts before
-        # A copy, as a take reads one from its record: the put's caller holds `put`.
-        return Message(
-            put.body,
-            put.flags,
-            put.expires,
-            put.created,
-            offset,
-            put.deliveries + 1,
-            origin=put.origin,
-        )
+        # A copy, as a take reads one from its record: the put's caller holds
+        # `put`. Arguments by position: by keyword, the call costs twice as much.
+        body, flags, expires, created = put.body, put.flags, put.expires, put.created
+        return Message(body, flags, expires, created, offset, put.deliveries + 1, None, put.origin)
 
     def _write_deferred(self, txn: Any, name: str | None) -> None:
         """Write the deferred puts of queue `name` (None: of every queue), in order."""

@@ -11,7 +11,7 @@ from typing import Any
 
 from berkeleydb import db
 
-from mqd.backend import NO_LIMITS, Lease, Limits, Message, Put, Receipt
+from mqd.backend import NO_LIMITS, PUT_STORED, Lease, Limits, Message, Put, Receipt
 from mqd_bdb.catalog import QueueState
 from mqd_bdb.records import (
     CAT_RESERVED,
@@ -70,7 +70,7 @@ class Operations(Store):
                 # yet: no limits for it.
                 copy = Message(message.body, message.flags, message.expires, message.created)
                 self.put(txn, child, (copy, False, children.get(child, NO_LIMITS), None))
-        return Put.STORED
+        return PUT_STORED
 
     def _make_room(self, txn: Any, q: QueueState, limits: Limits, size: int) -> bool:
         """Whether `size` more bytes fit, after dropping the oldest waiting if allowed."""
