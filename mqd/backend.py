@@ -40,6 +40,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol, cast
 from mqd.eager import run_together
 from mqd.errors import BackendLoadError
 from mqd.message import Message as Message
+from mqd.message import QueueSize as QueueSize
 from mqd.message import Receipt as Receipt
 
 log = logging.getLogger(__name__)
@@ -97,16 +98,6 @@ class Limits:
 
 
 NO_LIMITS = Limits()
-
-
-@dataclass(frozen=True, slots=True)
-class QueueSize:
-    """A queue's gauges. `items` and `bytes` include open (reserved) messages."""
-
-    items: int
-    bytes: int
-    open: int
-    head_created: float = 0  # `created` of the oldest message, 0 when empty
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,10 @@
-"""A message and the receipt of its reservation: made for every command.
+"""A message, the receipt of its reservation, a queue's gauges: made per command.
 
 Apart from mqd.backend so that mypyc compiles them (mqd/native.py), which it
 can't do for mqd.backend itself (a compiled plugin's backend subclasses an
-interpreted Backend). Message spells out __init__: a dataclass keeps the
-__init__ that `dataclass` generates, interpreted even when compiled.
+interpreted Backend). The dataclasses spell out __init__: a dataclass keeps
+the __init__ that `dataclass` generates, interpreted even when compiled (and
+for that, QueueSize is not frozen: nothing changes one all the same).
 """
 
 from __future__ import annotations
@@ -67,3 +68,17 @@ class Message:
         # Compiled, the class pickles by its arguments: it has no instance dict.
         fields = (self.body, self.flags, self.expires, self.created, self.offset)
         return (Message, (*fields, self.deliveries, self.receipt, self.origin))
+
+
+@dataclass(slots=True)
+class QueueSize:
+    """A queue's gauges. `items` and `bytes` include open (reserved) messages."""
+
+    items: int
+    bytes: int
+    open: int
+    head_created: float = 0  # `created` of the oldest message, 0 when empty
+
+    def __init__(self, items: int, bytes: int, open: int, head_created: float = 0) -> None:
+        self.items, self.bytes, self.open = items, bytes, open
+        self.head_created = head_created
