@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import time
 from pathlib import Path
 
 import pytest
-from bdb_helpers import NAMES, small_disk
+from bdb_helpers import NAMES, drain, make, put, small_disk
 from pymemcache.client.base import Client
 from pymemcache.exceptions import MemcacheServerError
 
+from mqd.errors import StorageError
 from mqd.testing.daemon import Daemon
 
 SMALL = "cache_mb = 4\nlog_file_mb = 1\ncheckpoint_mb = 1\n"  # a 6 MiB reserve: cache + 2 log files
@@ -130,3 +132,34 @@ def test_max_disk_bytes_refuses_sets_before_the_disk_fills(name: str, tmp_path: 
         assert data_bytes(daemon.data_dir) < limit + (2 << 20)
         assert client.get("q") is not None
         assert client.delete("q", noreply=False)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_drain_faster_than_the_checkpoint_clock_runs_in_the_reserves_room(
+    name: str, tmp_path: Path
+) -> None:
+    """A take logs the body it removes. In process, draining a full disk writes
+    more log within half a second (the clock's checkpoint) than the reserve
+    holds: the checkpoints per log file written keep it in the reserve's room."""
+    with small_disk(tmp_path / "disk", "24m") as disk:
+
+        async def main() -> None:
+            # The default checkpoint_mb: 16 MiB of log may pile up before a checkpoint.
+            b = make(name, disk / "data", log_file_mb=1, cache_mb=4)
+            await b.open()
+            try:
+                stored = 0
+                with contextlib.suppress(StorageError):
+                    while True:
+                        await put(b, "q", b"%06d" % stored + BODY)
+                        stored += 1
+                assert stored > 500 and not (disk / "data" / "reserve").exists()
+                started = time.monotonic()
+                taken = await drain(b, "q")
+                assert sorted(m.body[:6] for m in taken) == [b"%06d" % i for i in range(stored)]
+                # The premise: the drain logged more than the reserve between two clock ticks.
+                assert time.monotonic() - started < 0.5 * len(taken) * len(BODY) / (6 << 20)
+            finally:
+                await b.close()
+
+        asyncio.run(main())
