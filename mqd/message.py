@@ -66,8 +66,19 @@ class Message:
 
     def __reduce__(self) -> tuple[type[Message], tuple[Any, ...]]:
         # Compiled, the class pickles by its arguments: it has no instance dict.
-        fields = (self.body, self.flags, self.expires, self.created, self.offset)
-        return (Message, (*fields, self.deliveries, self.receipt, self.origin))
+        return (
+            Message,
+            (
+                self.body,
+                self.flags,
+                self.expires,
+                self.created,
+                self.offset,
+                self.deliveries,
+                self.receipt,
+                self.origin,
+            ),
+        )
 
 
 @dataclass(slots=True)

@@ -186,9 +186,10 @@ class Environment:
         self.env.txn_checkpoint(0, 0, db.DB_FORCE)
         self.env.log_archive(db.DB_ARCH_REMOVE)
 
-    def checkpoint(self, force: bool) -> None:
-        """Write dirty pages and a checkpoint if enough log has accumulated (or `force`)."""
+    def checkpoint(self, force: bool, log_mb: int = 0) -> None:
+        """Write dirty pages and a checkpoint if `log_mb` (default: checkpoint_mb)
+        of log has accumulated since the last one, or if `force`."""
         if force:
             self.env.txn_checkpoint(0, 0, db.DB_FORCE)
         else:
-            self.env.txn_checkpoint(self.config.checkpoint_mb << 10, 0)
+            self.env.txn_checkpoint((log_mb or self.config.checkpoint_mb) << 10, 0)

@@ -256,7 +256,7 @@ class Store(Catalog):
             # Old log files go at a checkpoint: while short of room, one as
             # soon as a log file's worth is written (gets log the bodies they
             # remove: a drain writes fast), and one on the clock to look.
-            self.env.txn_checkpoint(self.config.log_file_mb << 10, 0)
+            self.checkpoint(False, self.config.log_file_mb)
             if now - self._checkpointed >= LOOK_S:
                 self._checkpointed = now
                 self.free_log()
