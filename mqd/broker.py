@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any, TypeVar, cast
+from typing import Any, Final, TypeVar, cast
 
 from mqd import protocol, stats
 from mqd.backend import (
@@ -50,22 +50,22 @@ from mqd.stats import Counters
 
 log = logging.getLogger(__name__)
 
-IDLE_SWEEP = 1.0  # seconds between looks for idle queues to expire
-QUEUE_STATES = 65536  # queues whose state is kept when idle (names are client-chosen)
-THIRTY_DAYS = 60 * 60 * 24 * 30  # memcached: larger exptimes are absolute Unix times
+IDLE_SWEEP: Final = 1.0  # seconds between looks for idle queues to expire
+QUEUE_STATES: Final = 65536  # queues whose state is kept when idle (names are client-chosen)
+THIRTY_DAYS: Final = 60 * 60 * 24 * 30  # memcached: larger exptimes are absolute Unix times
 # Bodies a named lease reserves, or a range read returns, at most (and the
 # message that passes it).
-LEASE_BYTES = 64 << 20
+LEASE_BYTES: Final = 64 << 20
 # Messages a named lease asks the store for in one reserve_many() call: one
 # group commit each, and a bound on how long one call holds a store that
 # serves everyone in turn (a Berkeley DB worker).
-RESERVE_BATCH = 1024
+RESERVE_BATCH: Final = 1024
 # A named lease's messages are kept in the store for a quarter more than the
 # visibility timeout, and their store deadlines renewed only when a quarter of
 # it has passed since the last renewal: a lease touched often costs one round
 # of extend() calls per quarter timeout, not one per command, and the store
 # never returns a message before this daemon's own timer would.
-LEASE_SLACK = 1.25
+LEASE_SLACK: Final = 1.25
 
 Hits = list[tuple[Key, Message]]
 T = TypeVar("T")

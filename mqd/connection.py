@@ -21,7 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol, cast
 
 from mypy_extensions import mypyc_attr
 
@@ -50,21 +50,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PENDING_HIGH = 4096  # parsed commands waiting on one connection before it stops reading
-INPUT_HIGH = 1 << 20  # ... or bytes of input behind them
-WRITE_HIGH = 256 * 1024  # unsent reply bytes above which a connection runs no more commands
-GROUP_MAX = 32  # sets and plain gets of one pipeline started together, at most
-GET_PIECE = 32  # keys of a many-key get run at a time, so its reply is built in pieces
-FLUSH_AT = 64 * 1024  # gathered reply bytes sent at once rather than at the end of a batch
-ADMIT_GRACE = 0.25  # seconds a connection over max_connections waits for a slot ...
-ADMIT_RETRY = 0.05  # ... looking every this often
-REFUSED_LINGER = 0.5  # seconds a refused client has to read its error line
-TOO_MANY_CONNECTIONS = b"ERROR Too many open connections\r\n"
-END = REPLY["end"]
-STORED = REPLY["stored"]
-UNAUTHENTICATED = b"CLIENT_ERROR unauthenticated\r\n"
-BAD_TOKEN = b"CLIENT_ERROR bad authentication token format\r\n"
-AUTH_FAILED = b"CLIENT_ERROR authentication failure\r\n"
+PENDING_HIGH: Final = 4096  # parsed commands waiting on one connection before it stops reading
+INPUT_HIGH: Final = 1 << 20  # ... or bytes of input behind them
+WRITE_HIGH: Final = 256 * 1024  # unsent reply bytes above which a connection runs no more commands
+GROUP_MAX: Final = 32  # sets and plain gets of one pipeline started together, at most
+GET_PIECE: Final = 32  # keys of a many-key get run at a time, so its reply is built in pieces
+FLUSH_AT: Final = 64 * 1024  # gathered reply bytes sent at once rather than at the end of a batch
+ADMIT_GRACE: Final = 0.25  # seconds a connection over max_connections waits for a slot ...
+ADMIT_RETRY: Final = 0.05  # ... looking every this often
+REFUSED_LINGER: Final = 0.5  # seconds a refused client has to read its error line
+TOO_MANY_CONNECTIONS: Final = b"ERROR Too many open connections\r\n"
+END: Final = REPLY["end"]
+STORED: Final = REPLY["stored"]
+UNAUTHENTICATED: Final = b"CLIENT_ERROR unauthenticated\r\n"
+BAD_TOKEN: Final = b"CLIENT_ERROR bad authentication token format\r\n"
+AUTH_FAILED: Final = b"CLIENT_ERROR authentication failure\r\n"
 
 
 class CommandParser(Protocol):

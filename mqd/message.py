@@ -64,6 +64,23 @@ class Message:
         self.receipt = receipt
         self.origin = origin
 
+    def handed_out(self) -> Message:
+        """A copy as a take hands it out: one delivery more, no lease.
+
+        Here, not in the backend that calls it: made in this module, the
+        copy skips the generic argument parsing of a call from outside.
+        """
+        return Message(
+            self.body,
+            self.flags,
+            self.expires,
+            self.created,
+            self.offset,
+            self.deliveries + 1,
+            None,
+            self.origin,
+        )
+
     def __reduce__(self) -> tuple[type[Message], tuple[Any, ...]]:
         # Compiled, the class pickles by its arguments: it has no instance dict.
         return (

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from berkeleydb import db
 
@@ -39,7 +39,7 @@ from mqd_bdb.records import (
     delete_range,
 )
 
-CHUNK = 500  # records per transaction when purging a queue or counting its bodies
+CHUNK: Final = 500  # records per transaction when purging a queue or counting its bodies
 
 
 class QueueState:

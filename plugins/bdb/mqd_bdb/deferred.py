@@ -21,7 +21,7 @@ aborts takes its deferred puts with it: the retry runs the jobs afresh.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from mqd.backend import PUT_STORED, Limits, Message, Put
 from mqd_bdb import jobs
@@ -32,7 +32,9 @@ from mqd_bdb.operations import ChildLimits
 from mqd_bdb.records import U64
 
 #: Jobs that may change or read queues other than the one they name.
-ANY_QUEUE = frozenset({jobs.RELEASE, jobs.RELEASE_MANY, jobs.RECLAIM, jobs.LEASES, jobs.REDRIVE})
+ANY_QUEUE: Final = frozenset(
+    {jobs.RELEASE, jobs.RELEASE_MANY, jobs.RECLAIM, jobs.LEASES, jobs.REDRIVE}
+)
 
 #: A queue's deferred puts, oldest first: a list, not a deque, which compiled
 #: code reaches only through method lookups (and it holds a pipeline's few).
@@ -99,10 +101,8 @@ class DeferredPuts(BodyIndex):
         offset = put.offset
         q.removed(q.mpre + U64.pack(offset), len(put.body))
         q.hint = offset + 1  # as after any take: no waiting message sorts before
-        # A copy, as a take reads one from its record: the put's caller holds
-        # `put`. Arguments by position: by keyword, the call costs twice as much.
-        body, flags, expires, created = put.body, put.flags, put.expires, put.created
-        return Message(body, flags, expires, created, offset, put.deliveries + 1, None, put.origin)
+        # A copy, as a take reads one from its record: the put's caller holds `put`.
+        return put.handed_out()
 
     def _write_deferred(self, txn: Any, name: str | None) -> None:
         """Write the deferred puts of queue `name` (None: of every queue), in order."""

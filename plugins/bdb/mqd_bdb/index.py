@@ -12,14 +12,14 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from mqd_bdb.catalog import CHUNK, QueueState
 from mqd_bdb.queue_ops import QueueOps
 from mqd_bdb.records import CAT_QUEUE, U32, body_of, delete_range, digest
 from mqd_bdb.store import NeedsIndex
 
-INLINE_INDEX = 1000  # a queue this small has its bodies counted inside the batch
+INLINE_INDEX: Final = 1000  # a queue this small has its bodies counted inside the batch
 
 
 class BodyIndex(QueueOps):

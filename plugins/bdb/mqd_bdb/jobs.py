@@ -3,38 +3,38 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Final
 
 from mqd.backend import Sync
 
 # Operation codes, the first item of a Job; the argument each takes.
-PUT = 0  # (message, unique, limits, {child: limits} or None) -> Put
-TAKE = 1  # None -> Message | None
-RESERVE = 2  # (owner, lease seconds) -> Message | None, its receipt set
-ACK = 3  # receipt -> bool
-RELEASE = 4  # (receipt, dead-letter queue or None) -> bool
-EXTEND = 5  # (receipt, lease seconds) -> bool
-LEASES = 6  # owner or None -> [(queue, message)]: the leases reclaim() ends
-RECLAIM = 7  # (receipt, dead-letter queue or None, owner or None) -> bool
-REMOVE = 8  # offset -> bool
-PEEK = 9  # None -> Message | None
-READ_AT = 10  # offset -> Message | None
-CONTAINS = 11  # body -> bool
-DISCARD = 12  # body -> int
-DELETE = 13  # None -> bool
-RESTORE = 14  # message: give back a taken message whose caller went away
-CREATE = 15  # None -> bool
-REDRIVE = 16  # (to or None, limit) -> {queue: how many moved there}
-EXPIRE_IDLE = 17  # before (Unix time) -> bool
-READ_RANGE = 18  # (first offset, count, max bytes) -> [Message]
+PUT: Final = 0  # (message, unique, limits, {child: limits} or None) -> Put
+TAKE: Final = 1  # None -> Message | None
+RESERVE: Final = 2  # (owner, lease seconds) -> Message | None, its receipt set
+ACK: Final = 3  # receipt -> bool
+RELEASE: Final = 4  # (receipt, dead-letter queue or None) -> bool
+EXTEND: Final = 5  # (receipt, lease seconds) -> bool
+LEASES: Final = 6  # owner or None -> [(queue, message)]: the leases reclaim() ends
+RECLAIM: Final = 7  # (receipt, dead-letter queue or None, owner or None) -> bool
+REMOVE: Final = 8  # offset -> bool
+PEEK: Final = 9  # None -> Message | None
+READ_AT: Final = 10  # offset -> Message | None
+CONTAINS: Final = 11  # body -> bool
+DISCARD: Final = 12  # body -> int
+DELETE: Final = 13  # None -> bool
+RESTORE: Final = 14  # message: give back a taken message whose caller went away
+CREATE: Final = 15  # None -> bool
+REDRIVE: Final = 16  # (to or None, limit) -> {queue: how many moved there}
+EXPIRE_IDLE: Final = 17  # before (Unix time) -> bool
+READ_RANGE: Final = 18  # (first offset, count, max bytes) -> [Message]
 # Leases in bulk (Backend.reserve_many and the rest): one job, one transaction.
-RESERVE_MANY = 19  # (owner, lease seconds, count, max_bytes) -> [Message], receipts set
-ACK_MANY = 20  # [receipt], all of the job's queue -> [bool]
-RELEASE_MANY = 21  # [(receipt, dead-letter queue or None)], of the job's queue -> [bool]
-EXTEND_MANY = 22  # ([receipt] of the job's queue, lease seconds) -> [bool]
+RESERVE_MANY: Final = 19  # (owner, lease seconds, count, max_bytes) -> [Message], receipts set
+ACK_MANY: Final = 20  # [receipt], all of the job's queue -> [bool]
+RELEASE_MANY: Final = 21  # [(receipt, dead-letter queue or None)], of the job's queue -> [bool]
+EXTEND_MANY: Final = 22  # ([receipt] of the job's queue, lease seconds) -> [bool]
 
 #: The Store method that runs each operation.
-METHODS = {
+METHODS: Final = {
     PUT: "put",
     TAKE: "take",
     RESERVE: "reserve",

@@ -25,38 +25,38 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Any
+from typing import Any, Final
 
 from mqd.backend import Lease, Message
 from mqd.protocol import name_bytes, name_text
 
-CAT_QUEUE = b"\x00"
-CAT_RESERVED = b"\x01"
-CAT_PURGE = b"\x02"
-CAT_NEXT_QID = b"\x03"
-CAT_FORMAT = b"\x04"
-MSG = b"\x10"  # + qid + ...: messages, in the single-file layouts
-UNIQ = b"\x11"  # + qid + digest: copies of a body, in bdb-single
+CAT_QUEUE: Final = b"\x00"
+CAT_RESERVED: Final = b"\x01"
+CAT_PURGE: Final = b"\x02"
+CAT_NEXT_QID: Final = b"\x03"
+CAT_FORMAT: Final = b"\x04"
+MSG: Final = b"\x10"  # + qid + ...: messages, in the single-file layouts
+UNIQ: Final = b"\x11"  # + qid + digest: copies of a body, in bdb-single
 
 #: Version 1 (no CAT_FORMAT record) had no leases, origins or offsets in FIFO records.
-FORMAT_VERSION = 2
+FORMAT_VERSION: Final = 2
 
-QID = struct.Struct(">I")
-U32 = struct.Struct(">I")
-U64 = struct.Struct(">Q")
-CREATED = struct.Struct(">d")
+QID: Final = struct.Struct(">I")
+U32: Final = struct.Struct(">I")
+U64: Final = struct.Struct(">Q")
+CREATED: Final = struct.Struct(">d")
 #: qid, next offset, items, bytes, open, head's created, last change, flags (INDEXED).
-META = struct.Struct(">IQQQQddB")
-INDEXED = 1  # META flag: the queue's copies of each body are counted
+META: Final = struct.Struct(">IQQQQddB")
+INDEXED: Final = 1  # META flag: the queue's copies of each body are counted
 #: A message: marker, offset, flags, expires, created, deliveries, origin length.
-REC = struct.Struct(">BQIddIH")
-REC_CREATED = 21  # where `created` sits in REC
-REC_ORIGIN = REC.size - 2  # where the origin's length sits
-REC_BODY = REC.size  # where the origin, then the body, start
-WAITING = 0
-RESERVED = 1
+REC: Final = struct.Struct(">BQIddIH")
+REC_CREATED: Final = 21  # where `created` sits in REC
+REC_ORIGIN: Final = REC.size - 2  # where the origin's length sits
+REC_BODY: Final = REC.size  # where the origin, then the body, start
+WAITING: Final = 0
+RESERVED: Final = 1
 #: A lease: deadline, token, length of the message key suffix.
-LEASE = struct.Struct(">dQB")
+LEASE: Final = struct.Struct(">dQB")
 
 
 def digest(body: bytes) -> bytes:

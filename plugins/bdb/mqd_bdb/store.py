@@ -19,7 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from berkeleydb import db
 
@@ -32,7 +32,7 @@ from mqd_bdb.space import LOOK_S, is_disk_full
 
 log = logging.getLogger("mqd.bdb")
 
-COMPACT_MIN_BYTES = 1 << 20  # a single-file layout's file is not compacted below this
+COMPACT_MIN_BYTES: Final = 1 << 20  # a single-file layout's file is not compacted below this
 
 
 class NeedsIndex(Exception):

@@ -46,7 +46,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from mqd.backend import Holder, Message, Pending, QueueSize, Sync
 from mqd_bdb import jobs
@@ -56,14 +56,14 @@ from mqd_bdb.store import Store
 
 log = logging.getLogger("mqd.bdb")
 
-STOP = -1  # operation code of the job that closes the store and ends the thread
-CHECK_S = 1.0  # how often the keeper looks at the cache and the log while changes come
-TRICKLE_PERCENT = 20  # the keeper writes dirty pages out until this much of the cache is clean
-MAX_GATHER_S = 0.002  # the longest a sync waits for more writers
-MAX_BATCH_BYTES = 8 << 20  # a batch of large messages ends after this many body bytes
+STOP: Final = -1  # operation code of the job that closes the store and ends the thread
+CHECK_S: Final = 1.0  # how often the keeper looks at the cache and the log while changes come
+TRICKLE_PERCENT: Final = 20  # the keeper writes dirty pages out until this much is clean
+MAX_GATHER_S: Final = 0.002  # the longest a sync waits for more writers
+MAX_BATCH_BYTES: Final = 8 << 20  # a batch of large messages ends after this many body bytes
 
-ALWAYS = Sync.ALWAYS
-PERIODIC = Sync.PERIODIC
+ALWAYS: Final = Sync.ALWAYS
+PERIODIC: Final = Sync.PERIODIC
 
 Published = dict[str, QueueSize | None]
 Deliver = Callable[[list[jobs.Result], Published], None]
@@ -144,8 +144,6 @@ class Worker:
         self._busy = False
         self._ready: deque[jobs.Job] = deque()  # taken from the inbox, not yet run
         self.lock = threading.Lock()  # held by whoever uses the store (see above)
-        self._quick = store.quick
-        self._run_job = store.run_job
         self._loop_round: Round | None = None  # the event loop's open round
         self._outstanding = 0  # jobs handed to the thread, not yet answered
         self._wants_store = False  # set by the thread while it waits for the lock
@@ -211,11 +209,11 @@ class Worker:
             r = self._here((job,))
             if r is None:
                 return jobs.LATER
-        elif r.error is not None or self._outstanding or not self._quick(job):
+        elif r.error is not None or self._outstanding or not self.store.quick(job):
             return jobs.LATER
         holder.hold(r.pending)
         try:
-            value = self._run_job(r.txn, job[0], job[1], job[2])
+            value = self.store.run_job(r.txn, job[0], job[1], job[2])
         except Exception as exc:
             raise r.fail(exc) from exc
         r.ran(job[3])
@@ -230,12 +228,12 @@ class Worker:
         r = self._loop_round
         if r is not None:
             ready = r.error is None and not self._outstanding
-            return r if ready and all(map(self._quick, bundle)) else None
+            return r if ready and all(map(store.quick, bundle)) else None
         # Jobs the thread has not answered go first; the thread may want or hold the store.
         if self._outstanding or self._wants_store or not self.lock.acquire(blocking=False):
             return None
         try:
-            if not (store.loop_ready() and all(map(self._quick, bundle))):
+            if not (store.loop_ready() and all(map(store.quick, bundle))):
                 self.lock.release()
                 return None
             txn = store.begin()
@@ -249,7 +247,7 @@ class Worker:
     def _run_in(self, r: Round, job: jobs.Job) -> bool:
         """Run `job` in round `r`, its result kept; False if it failed (voiding the round)."""
         try:
-            value = self._run_job(r.txn, job[0], job[1], job[2])
+            value = self.store.run_job(r.txn, job[0], job[1], job[2])
         except Exception as exc:
             r.fail(exc)
             r.results.append((job, None, None))
