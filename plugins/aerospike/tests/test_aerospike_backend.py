@@ -198,6 +198,23 @@ def _writes_buffer(args: tuple[Any, ...]) -> bool:
     return any(type(r).__name__ == "Write" and r.key[1].endswith("_buf") for r in records)
 
 
+async def stopped(pid: int) -> None:
+    """Wait until every thread of `pid` is stopped: kill() returns before they are."""
+    deadline = time.monotonic() + 5
+    while True:
+        # The state is the first field after the command name, which is in brackets.
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rpartition(")")[2].split()[0])
+            except OSError:
+                continue  # a thread that just ended
+        if states and all(state in "tT" for state in states):
+            return
+        assert time.monotonic() < deadline, f"threads of {pid} not stopped: {states}"
+        await asyncio.sleep(0.01)
+
+
 def test_frozen_server_gives_server_error_and_recovery(
     aerospike_node: Node, tmp_path: Path
 ) -> None:
@@ -209,6 +226,7 @@ def test_frozen_server_gives_server_error_and_recovery(
         await fill(b, "q", 1)
         os.kill(pid, signal.SIGSTOP)
         try:
+            await stopped(pid)
             started = time.monotonic()
             with pytest.raises(StorageError, match=r"^aerospike (timeout|cluster unavailable)"):
                 await b.put("q", Message(b"lost?"), sync=ALWAYS)
