@@ -65,6 +65,10 @@ class Space:
         self.reserve = reserve
         self.max_disk_bytes = max_disk_bytes
         self.out = False  # the reserve was released: puts are refused
+        # Short of room (less than the reserve twice over, or the reserve out
+        # since the last gauge()): a write may meet ENOSPC, so every job runs
+        # on the worker thread, whose batches free room and retry on ENOSPC.
+        self.low = False
         self._used = 0  # the data directory's bytes at the last scan ...
         self._added = 0  # ... and body bytes put since
         self._scanned = 0.0
@@ -95,23 +99,24 @@ class Space:
         """At open: make the reserve; with no room for it, refuse puts until there is."""
         if not self.reserve or self.path.exists():
             self.keep()
-            return
-        checkpoint()  # old log files go: room, perhaps
-        self.keep()
-        if not self.path.exists():
-            self.out = True
-            self._looked = time.monotonic()
-            log.warning(
-                "no room for the %d MiB reserve in %s: refusing sets until there is",
-                self.reserve >> 20,
-                self.data_dir,
-            )
+        else:
+            checkpoint()  # old log files go: room, perhaps
+            self.keep()
+            if not self.path.exists():
+                self.out = True
+                self._looked = time.monotonic()
+                log.warning(
+                    "no room for the %d MiB reserve in %s: refusing sets until there is",
+                    self.reserve >> 20,
+                    self.data_dir,
+                )
+        self.gauge()
 
     def release(self) -> bool:
         """The disk is full: remove the reserve; False if there was none to remove."""
         if self.out or not self.reserve:
             return False
-        self.out = True
+        self.out = self.low = True
         self._looked = time.monotonic()
         try:
             self.path.unlink()
@@ -123,6 +128,10 @@ class Space:
             self.reserve >> 20,
         )
         return True
+
+    def gauge(self) -> None:
+        """Now and then (the keeper thread): whether the file system is short of room."""
+        self.low = bool(self.reserve) and (self.out or no_room(self.data_dir, 2 * self.reserve))
 
     def refusal(self, size: int) -> str | None:
         """Why a put of `size` body bytes is refused now, or None."""

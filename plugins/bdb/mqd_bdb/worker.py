@@ -595,6 +595,7 @@ class Worker:
                 if look:
                     next_look = now + CHECK_S
                     pending = True
+                    store.space.gauge()
                     store.trickle(TRICKLE_PERCENT)
                     timed = now - last_checkpoint >= store.config.checkpoint_s
                     store.checkpoint(timed)

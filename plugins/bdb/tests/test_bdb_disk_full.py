@@ -139,8 +139,10 @@ def test_a_drain_faster_than_the_checkpoint_clock_runs_in_the_reserves_room(
     name: str, tmp_path: Path
 ) -> None:
     """A take logs the body it removes. In process, draining a full disk writes
-    more log within half a second (the clock's checkpoint) than the reserve
-    holds: the checkpoints per log file written keep it in the reserve's room."""
+    more log than the reserve holds, most of it between two ticks of the
+    checkpoint clock (half a second) on a machine that is not loaded: the
+    checkpoints per log file written, and the checkpoint and retry on ENOSPC,
+    keep it in the reserve's room."""
     with small_disk(tmp_path / "disk", "24m") as disk:
 
         async def main() -> None:
@@ -154,11 +156,10 @@ def test_a_drain_faster_than_the_checkpoint_clock_runs_in_the_reserves_room(
                         await put(b, "q", b"%06d" % stored + BODY)
                         stored += 1
                 assert stored > 500 and not (disk / "data" / "reserve").exists()
-                started = time.monotonic()
                 taken = await drain(b, "q")
                 assert sorted(m.body[:6] for m in taken) == [b"%06d" % i for i in range(stored)]
-                # The premise: the drain logged more than the reserve between two clock ticks.
-                assert time.monotonic() - started < 0.5 * len(taken) * len(BODY) / (6 << 20)
+                # The premise: the drain logged more than the reserve holds.
+                assert len(taken) * len(BODY) > 6 << 20
             finally:
                 await b.close()
 
