@@ -66,11 +66,14 @@ class Store(Catalog):
     def loop_ready(self) -> bool:
         """Whether quick jobs may run on the event loop now (quick() says which).
 
-        Not during recovery, while the disk is short of room (a take the loop
-        ran could not be retried in the reserve's room), or with
-        `max_disk_bytes` (each put is weighed against the disk first).
+        Not during recovery, in the full-disk mode or while the disk is short
+        of room (a take the loop ran could not be retried in the reserve's
+        room), or with `max_disk_bytes` (each put is weighed against the disk
+        first). `out` is read too: the keeper may gauge `low` just as another
+        thread releases the reserve.
         """
-        return not (self.panicked or self.space.low or self.space.max_disk_bytes)
+        space = self.space
+        return not (self.panicked or space.out or space.low or space.max_disk_bytes)
 
     def quick(self, job: jobs.Job) -> bool:
         """Whether `job` may run on the event loop: a plain put, a take or an ack, no file to open.
