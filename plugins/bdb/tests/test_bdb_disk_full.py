@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import time
 from pathlib import Path
 
 import pytest
 from bdb_helpers import NAMES, drain, make, put, small_disk
+from mqd_bdb.backend import _BdbBackend
 from pymemcache.client.base import Client
 from pymemcache.exceptions import MemcacheServerError
 
+from mqd.backend import Sync
 from mqd.errors import StorageError
 from mqd.testing.daemon import Daemon
 
@@ -165,6 +168,54 @@ def test_a_drain_faster_than_the_checkpoint_clock_runs_in_the_reserves_room(
                 assert sorted(m.body[:6] for m in taken) == [b"%06d" % i for i in range(stored)]
                 # The premise: the drain logged more than the reserve holds.
                 assert len(taken) * len(BODY) > 6 << 20
+            finally:
+                await b.close()
+
+        asyncio.run(main())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_short_of_room_every_job_runs_in_the_worker_threads_batches(
+    name: str, tmp_path: Path
+) -> None:
+    """Under the reserve twice over, nothing runs in an event loop's round (a
+    take there that met ENOSPC could not be run again in the reserve's room);
+    once room is back, rounds resume."""
+    with small_disk(tmp_path / "disk", "24m") as disk:
+
+        async def exchange(b: _BdbBackend) -> None:
+            """A set and a get, each waiting for its sync."""
+            assert await put(b, "q", b"x" * 100) is not None
+            taken = await b.take("q", sync=Sync.ALWAYS)
+            assert taken is not None and taken.body == b"x" * 100
+
+        async def rounds_while(b: _BdbBackend, low: bool) -> int:
+            """Exchange until the keeper has gauged the disk `low` or not (it
+            looks every second while changes come); the rounds run meanwhile."""
+            for _ in range(200):
+                await exchange(b)
+                if b.worker.store.space.low is low:
+                    break
+                await asyncio.sleep(0.02)
+            assert b.worker.store.space.low is low
+            while b.worker.lock.locked():
+                await asyncio.sleep(0.001)
+            before = b.worker.rounds
+            for _ in range(20):
+                await exchange(b)
+            return b.worker.rounds - before
+
+        async def main() -> None:
+            b = make(name, disk / "data", log_file_mb=1, cache_mb=4)  # a 6 MiB reserve
+            await b.open()
+            try:
+                assert await rounds_while(b, low=False) > 0  # the premise: rounds run
+                st = os.statvfs(disk)
+                with open(disk / "filler", "wb") as filler:
+                    os.posix_fallocate(filler.fileno(), 0, st.f_bavail * st.f_frsize - (8 << 20))
+                assert await rounds_while(b, low=True) == 0
+                (disk / "filler").unlink()
+                assert await rounds_while(b, low=False) > 0
             finally:
                 await b.close()
 
