@@ -30,6 +30,12 @@ class BdbConfig:
     log_buffer_kb: int = 256
     #: Size of each log file before a new one is started.
     log_file_mb: int = 10
+    #: Write each new log file full of zeros when it is started, so that a sync
+    #: of the log writes its data only, not also the file's new size and
+    #: blocks: on ext4 that makes each sync about a third cheaper, for a pause
+    #: of a few ms per log file. Of no use on copy-on-write file systems
+    #: (btrfs, ZFS), which write a zeroed block anew anyway.
+    zero_log_files: bool = True
     #: Checkpoint once this much log has been written since the last one...
     checkpoint_mb: int = 16
     #: ...or this long after the last one if anything changed. Checkpoints
@@ -63,7 +69,9 @@ class BdbConfig:
         for spec in fields:
             if spec.name not in reader.table:
                 continue
-            if isinstance(spec.default, float):
+            if isinstance(spec.default, bool):
+                values[spec.name] = reader.boolean(spec.name)
+            elif isinstance(spec.default, float):
                 values[spec.name] = reader.number(spec.name, 0.0, above=True)
             else:
                 values[spec.name] = reader.integer(spec.name, 0 if spec.name in _ZERO_OK else 1)

@@ -57,7 +57,7 @@ class Environment:
             except Exception as exc:
                 # Recovery writes to the log too: on a full disk, spend the
                 # reserve on it and try once more.
-                if not (self._disk_full(exc) and self.space.release()):
+                if not (self.disk_full(exc) and self.space.release()):
                     raise
                 self._close_env()
                 self._open_env()
@@ -65,15 +65,21 @@ class Environment:
         except BaseException as exc:
             self._close_env()
             self._unlock()
-            if isinstance(exc, Exception) and self._disk_full(exc):
+            if isinstance(exc, Exception) and self.disk_full(exc):
                 raise StorageError(
                     f"no space left on device (ENOSPC) in {self.data_dir}: free some, "
                     "then start again"
                 ) from exc
             raise
 
-    def _disk_full(self, exc: BaseException) -> bool:
-        """Whether `exc` comes of a full disk (Berkeley DB may call it a panic)."""
+    def disk_full(self, exc: BaseException) -> bool:
+        """Whether `exc` comes of a full disk.
+
+        Not only ENOSPC: Berkeley DB may call it a panic, or, when the cache
+        is all dirty pages it cannot write out, an I/O error ("unable to
+        allocate space from the buffer cache"); on a file system with no room
+        left, those are the full disk too.
+        """
         return is_disk_full(exc) or no_room(self.data_dir, self.config.log_buffer_kb << 10)
 
     def close(self) -> None:
@@ -124,6 +130,7 @@ class Environment:
         # per batch or round (group commit) for the callers that asked for it.
         env.set_flags(db.DB_TXN_WRITE_NOSYNC, 1)
         env.log_set_config(db.DB_LOG_AUTO_REMOVE, 1)
+        env.log_set_config(db.DB_LOG_ZERO, int(c.zero_log_files))
         # The store is used by one thread at a time (Worker.lock), so a lock wait
         # can only be for a lock that thread holds in another transaction: fail
         # it rather than hang.

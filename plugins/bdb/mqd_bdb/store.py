@@ -28,7 +28,7 @@ from mqd_bdb import jobs
 from mqd_bdb.catalog import Catalog, QueueState
 from mqd_bdb.config import BdbConfig
 from mqd_bdb.errors import storage_error
-from mqd_bdb.space import LOOK_S, is_disk_full
+from mqd_bdb.space import LOOK_S
 
 log = logging.getLogger("mqd.bdb")
 
@@ -143,7 +143,7 @@ class Store(Catalog):
         try:
             values = self._attempt(segment, published)
         except Exception as exc:
-            if is_disk_full(exc) and not again and self._free_disk():
+            if self.disk_full(exc) and not again and self._free_disk():
                 # What frees space runs in the room made, puts are refused.
                 rest = self._admit(segment, results)
                 if rest:
@@ -175,7 +175,7 @@ class Store(Catalog):
         try:
             self.free_log()
         except Exception as exc:
-            if not is_disk_full(exc):
+            if not self.disk_full(exc):
                 log.warning("checkpoint on a full disk failed: %s", exc)
             return released
         self._checkpointed = time.monotonic()

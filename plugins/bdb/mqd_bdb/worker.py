@@ -51,7 +51,6 @@ from typing import Any, Final
 from mqd.backend import Holder, Message, Pending, QueueSize, Sync
 from mqd_bdb import jobs
 from mqd_bdb.errors import storage_error
-from mqd_bdb.space import is_disk_full
 from mqd_bdb.store import Store
 
 log = logging.getLogger("mqd.bdb")
@@ -282,7 +281,7 @@ class Worker:
                 store.abort(r.txn, r.cause)
         except Exception as exc:
             error = storage_error(exc)
-            if is_disk_full(exc):
+            if store.disk_full(exc):
                 store.space.release()  # room for what frees space; puts are refused
         finally:
             self.lock.release()
@@ -604,7 +603,7 @@ class Worker:
                         pending = False
             except Exception as exc:
                 # Writing dirty pages out may be what fills the disk first.
-                if not (is_disk_full(exc) and store.space.release()):
+                if not (store.disk_full(exc) and store.space.release()):
                     log.exception("Berkeley DB upkeep failed")
             finally:
                 with cond:

@@ -70,6 +70,13 @@ async def drain(backend: Backend, queue: str) -> list[Message]:
     return taken
 
 
+def fill_up(path: Path) -> None:
+    """Write `path` until the disk is full."""
+    with open(path, "wb", buffering=0) as filler, contextlib.suppress(OSError):
+        while True:
+            filler.write(b"\0" * 65536)
+
+
 @contextlib.contextmanager
 def small_disk(path: Path, size: str) -> Iterator[Path]:
     path.mkdir()

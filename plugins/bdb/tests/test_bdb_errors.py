@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bdb_helpers import ALWAYS, NAMES, drain, make, put, session, small_disk
+from bdb_helpers import ALWAYS, NAMES, drain, fill_up, make, put, session, small_disk
 from berkeleydb import db
 from mqd_bdb import jobs
 from mqd_bdb.backend import _BdbBackend
+from mqd_bdb.config import BdbConfig
 from mqd_bdb.names import encode_name, file_stem
+from mqd_bdb.single import SingleStore
 
 from mqd.backend import Capability, Message
 from mqd.errors import ConfigError, StorageError
@@ -121,7 +123,7 @@ def test_panic_reopens_the_environment(name: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_full_disk_loses_nothing_acknowledged(name: str, tmp_path: Path) -> None:
-    with small_disk(tmp_path / "disk", "3m") as disk:
+    with small_disk(tmp_path / "disk", "4m") as disk:
 
         async def main() -> None:
             b = make(name, disk / "data", log_file_mb=1, cache_mb=4, reserve_mb=1)
@@ -166,6 +168,21 @@ def test_full_disk_loses_nothing_acknowledged(name: str, tmp_path: Path) -> None
         asyncio.run(main())
 
 
+def test_an_io_error_on_a_file_system_with_no_room_is_the_full_disk(tmp_path: Path) -> None:
+    # What Berkeley DB says when the cache is all dirty pages it cannot write out.
+    cache_full = db.DBError(errno.EIO, "unable to allocate space from the buffer cache")
+    with small_disk(tmp_path / "disk", "4m") as disk:
+        store = SingleStore(disk / "data", BdbConfig(cache_mb=1, log_file_mb=1, reserve_mb=1))
+        store.open()
+        try:
+            assert not store.disk_full(cache_full)
+            fill_up(disk / "filler")
+            assert store.disk_full(cache_full)
+        finally:
+            (disk / "filler").unlink()
+            store.close()
+
+
 def test_bad_options_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError, match=r"storage\.bdb\.cache = 3: unknown key; known keys: cache_mb"
@@ -177,7 +194,11 @@ def test_bad_options_are_config_errors(tmp_path: Path) -> None:
         make("bdb-single", tmp_path, cache_mb="big")
     with pytest.raises(ConfigError, match=r"page_size = 1000: must be 0 or a power of two"):
         make("bdb-random", tmp_path, page_size=1000)
-    make("bdb", tmp_path, cache_mb=8, page_size=8192, checkpoint_s=5)
+    with pytest.raises(
+        ConfigError, match=r"storage\.bdb\.zero_log_files = 1: must be true or false"
+    ):
+        make("bdb", tmp_path, zero_log_files=1)
+    make("bdb", tmp_path, cache_mb=8, page_size=8192, checkpoint_s=5, zero_log_files=False)
 
 
 def test_calls_before_open_fail_cleanly(tmp_path: Path) -> None:

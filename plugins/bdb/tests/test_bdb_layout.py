@@ -102,6 +102,17 @@ def test_old_log_files_are_removed(name: str, tmp_path: Path) -> None:
     assert len(logs) <= 2
 
 
+@pytest.mark.parametrize("zero", [True, False])
+def test_log_files_are_zeroed_full_size_when_started(zero: bool, tmp_path: Path) -> None:
+    async def body(b: _BdbBackend) -> None:
+        await put(b, "q", b"one", sync=ALWAYS)
+
+    session("bdb-single", tmp_path, body, log_file_mb=1, zero_log_files=zero)
+    (log_file,) = (p for p in tmp_path.iterdir() if p.name.startswith("log."))
+    full = log_file.stat().st_size >= 1 << 20
+    assert full == zero
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_large_messages_round_trip(name: str, tmp_path: Path) -> None:
     big = bytes(range(256)) * 4096  # 1 MiB
