@@ -4,11 +4,12 @@ A plain put, take or ack whose caller holds its reply back (a connection, see
 mqd.backend.Holder) runs at once on the event loop, when the store is free,
 in a transaction left open for the rest of that turn of the loop: a round.
 At the end of the turn the round commits without a sync; if any of its jobs
-asked for `Sync.ALWAYS`, the sync thread syncs the log while the loop goes
-on, and the round's holders send their replies once that sync has ended (or
-the error instead, if the round failed and was undone). While a sync runs,
-the next round stays open and ends as it does: one commit and one sync for
-all that came meanwhile. That is a group commit with no thread hand-off and
+asked for `Sync.ALWAYS`, the log is synced, and the round's holders send
+their replies once that sync has ended (or the error instead, if the round
+failed and was undone). Where syncs take under INLINE_SYNC_S the loop syncs
+there and then, as Redis does; otherwise the sync thread syncs while the
+loop goes on, and the next round stays open and ends as that sync does: one
+commit and one sync for all that came meanwhile. That is a group commit with no thread hand-off and
 no future per job. Bundles of quick jobs from callers that await futures
 run in the same rounds, and are answered after the same syncs.
 
@@ -59,6 +60,9 @@ STOP: Final = -1  # operation code of the job that closes the store and ends the
 CHECK_S: Final = 1.0  # how often the keeper looks at the cache and the log while changes come
 TRICKLE_PERCENT: Final = 20  # the keeper writes dirty pages out until this much is clean
 MAX_GATHER_S: Final = 0.002  # the longest a sync waits for more writers
+#: Syncs shorter than this, on average, run on the event loop at the end of a
+#: round; longer ones on the sync thread, so as not to stall other queues' work.
+INLINE_SYNC_S: Final = 0.001
 MAX_BATCH_BYTES: Final = 8 << 20  # a batch of large messages ends after this many body bytes
 
 ALWAYS: Final = Sync.ALWAYS
@@ -294,12 +298,19 @@ class Worker:
         if store.upkeep_due():
             self.inbox.put([])  # the thread's housekeeping: it looks between bundles
         if committed and r.writers:
-            # The sync thread syncs the log while the loop goes on: the next
-            # round runs meanwhile, and its sync covers all that came since.
             self._seq += 1
             self._unsynced.append((self._seq, r, results, published, None))
             self._syncing = True
-            self._sync_asks.put(self._seq)
+            if self._sync_s < INLINE_SYNC_S and len(self._unsynced) == 1:
+                # A fast disk: the loop syncs the round itself, as Redis does.
+                # Handing the sync to the thread and back costs two wake-ups
+                # and two GIL hand-offs, more than such a sync takes.
+                self._synced(self._seq, self._flush())
+            else:
+                # The sync thread syncs the log while the loop goes on: the
+                # next round runs meanwhile, and its sync covers all that came
+                # since.
+                self._sync_asks.put(self._seq)
         elif self._unsynced:
             self._unsynced.append((0, r, results, published, error))  # after those ahead
         else:
@@ -338,14 +349,19 @@ class Worker:
         """The sync thread: sync the log whenever the loop asks, then tell it."""
         asks = self._sync_asks
         while (target := asks.get()) is not None:
-            error: BaseException | None = None
-            try:
-                with self._env_lock:
-                    self.store.flush()
-                self.flushes += 1
-            except Exception as exc:
-                error = storage_error(exc)
-            self._post(self._synced, target, error)
+            self._post(self._synced, target, self._flush())
+
+    def _flush(self) -> BaseException | None:
+        """Sync the log on this thread, timing it; the error to answer if it failed."""
+        try:
+            with self._env_lock:
+                start = time.monotonic()
+                self.store.flush()
+                self._sync_s += (time.monotonic() - start - self._sync_s) / 8
+        except Exception as exc:
+            return storage_error(exc)
+        self.flushes += 1
+        return None
 
     def give_back(self, job: jobs.Job, value: Any) -> None:
         """Undo a take or reserve whose result nobody will see."""
@@ -464,13 +480,9 @@ class Worker:
                 periodic = periodic or more_periodic
         if writers:
             self._expected = writers
-            try:
-                start = time.monotonic()
-                self.store.flush()
-                self._sync_s += (time.monotonic() - start - self._sync_s) / 8
-                self.flushes += 1
-            except Exception as exc:
-                results = self._unflushed(results, storage_error(exc))
+            error = self._flush()
+            if error is not None:
+                results = self._unflushed(results, error)
         if results or published:
             self._post(self._delivered, results, published)
         return writers > 0, periodic, stop
