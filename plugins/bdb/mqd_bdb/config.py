@@ -11,7 +11,7 @@ from typing import Any
 from mqd.config import TableReader
 
 #: The keys whose value may be 0 (the others must be at least 1).
-_ZERO_OK = frozenset({"page_size", "reserve_mb"})
+_ZERO_OK = frozenset({"page_size", "reserve_mb", "loop_sync_max_us"})
 #: Fields that come from [storage], not from the backend's own table.
 _FROM_STORAGE = frozenset({"max_disk_bytes"})
 
@@ -41,6 +41,11 @@ class BdbConfig:
     #: ...or this long after the last one if anything changed. Checkpoints
     #: bound recovery time and let old log files be removed.
     checkpoint_s: float = 60.0
+    #: A round's sync runs on the event loop itself while syncs take less than
+    #: this on average (handing it to the sync thread and back costs more than
+    #: a fast sync), on the sync thread otherwise, so that a slow disk does not
+    #: hold up queues that do not wait for it; 0: always on the sync thread.
+    loop_sync_max_us: int = 1000
     #: Most operations run in one transaction and share one flush.
     max_batch: int = 512
     #: `bdb` only: queues whose two files are kept open at once (2 descriptors

@@ -6,7 +6,7 @@ in a transaction left open for the rest of that turn of the loop: a round.
 At the end of the turn the round commits without a sync; if any of its jobs
 asked for `Sync.ALWAYS`, the log is synced, and the round's holders send
 their replies once that sync has ended (or the error instead, if the round
-failed and was undone). Where syncs take under INLINE_SYNC_S the loop syncs
+failed and was undone). Where syncs take under `loop_sync_max_us` the loop syncs
 there and then, as Redis does; otherwise the sync thread syncs while the
 loop goes on, and the next round stays open and ends as that sync does: one
 commit and one sync for all that came meanwhile. That is a group commit with no thread hand-off and
@@ -60,9 +60,6 @@ STOP: Final = -1  # operation code of the job that closes the store and ends the
 CHECK_S: Final = 1.0  # how often the keeper looks at the cache and the log while changes come
 TRICKLE_PERCENT: Final = 20  # the keeper writes dirty pages out until this much is clean
 MAX_GATHER_S: Final = 0.002  # the longest a sync waits for more writers
-#: Syncs shorter than this, on average, run on the event loop at the end of a
-#: round; longer ones on the sync thread, so as not to stall other queues' work.
-INLINE_SYNC_S: Final = 0.001
 MAX_BATCH_BYTES: Final = 8 << 20  # a batch of large messages ends after this many body bytes
 
 ALWAYS: Final = Sync.ALWAYS
@@ -153,10 +150,12 @@ class Worker:
         self._opened: asyncio.Future[dict[str, QueueSize]] | None = None
         self._expected = 0  # writers the last sync answered
         self._sync_s = 0.0  # how long a sync takes, on average
+        self._loop_sync_max_s = store.config.loop_sync_max_us / 1e6
         # Counters, for tests and stats.
         self.batches = 0
         self.jobs = 0
         self.flushes = 0
+        self.loop_flushes = 0  # of those, run on the event loop
         self.rounds = 0  # rounds run on the event loop
 
     # -- loop side -----------------------------------------------------------
@@ -301,10 +300,11 @@ class Worker:
             self._seq += 1
             self._unsynced.append((self._seq, r, results, published, None))
             self._syncing = True
-            if self._sync_s < INLINE_SYNC_S and len(self._unsynced) == 1:
+            if self._sync_s < self._loop_sync_max_s and len(self._unsynced) == 1:
                 # A fast disk: the loop syncs the round itself, as Redis does.
                 # Handing the sync to the thread and back costs two wake-ups
                 # and two GIL hand-offs, more than such a sync takes.
+                self.loop_flushes += 1
                 self._synced(self._seq, self._flush())
             else:
                 # The sync thread syncs the log while the loop goes on: the
@@ -547,12 +547,13 @@ class Worker:
     def _close(self, stop: jobs.Job) -> None:
         log.debug(
             "Berkeley DB worker: %d jobs in %d batches and %d rounds on the event loop, "
-            "%d log syncs of %.0f us, %d puts taken in their own batch",
+            "%d log syncs of %.0f us (%d on the event loop), %d puts taken in their own batch",
             self.jobs,
             self.batches,
             self.rounds,
             self.flushes,
             self._sync_s * 1e6,
+            self.loop_flushes,
             self.store.paired,
         )
         with self._keeper_cond:

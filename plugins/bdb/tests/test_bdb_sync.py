@@ -119,9 +119,15 @@ class Holder:
         return self.ended[-1][0]
 
 
+#: loop_sync_max_us: the default (fast syncs run on the event loop), and 0
+#: (every round's sync on the sync thread).
+ON_LOOP = pytest.mark.parametrize("loop_sync_max_us", [1000, 0], ids=["on-loop", "on-thread"])
+
+
+@ON_LOOP
 @pytest.mark.parametrize("name", NAMES)
 def test_held_answers_come_at_once_and_are_released_after_their_sync(
-    name: str, tmp_path: Path
+    name: str, loop_sync_max_us: int, tmp_path: Path
 ) -> None:
     async def body(b: _BdbBackend) -> None:
         await put(b, "q", b"first")  # the queue's files exist: its puts are quick
@@ -137,26 +143,33 @@ def test_held_answers_come_at_once_and_are_released_after_their_sync(
         assert await holder.released() is None
         assert holder.ended[0][1] > flushes  # released once a sync covered the round
         assert b.worker.rounds >= 1
+        # This disk's syncs take well under a millisecond.
+        assert (b.worker.loop_flushes > 0) == (loop_sync_max_us > 0)
         assert [m.body for m in await drain(b, "q")] == [b"second"]
 
-    session(name, tmp_path, body)
+    session(name, tmp_path, body, loop_sync_max_us=loop_sync_max_us)
 
 
-class _FailingPutOnce:
-    """The catalog database, but its next put fails with EIO (it runs in a round's commit)."""
+class _FailingOnce:
+    """A Berkeley DB handle, but the next call of its `method` fails with EIO.
 
-    def __init__(self, cat: Any) -> None:
-        self._cat = cat
+    The store's handle is replaced, not its method: the store may be compiled.
+    """
+
+    def __init__(self, handle: Any, method: str) -> None:
+        self._handle = handle
+        self._method = method
         self.failed = False
 
-    def put(self, *args: Any) -> Any:
-        if not self.failed:
+    def __getattr__(self, name: str) -> Any:
+        if name != self._method or self.failed:
+            return getattr(self._handle, name)
+
+        def fail(*args: Any) -> Any:
             self.failed = True
             raise db.DBError(errno.EIO, "I/O error")
-        return self._cat.put(*args)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._cat, name)
+        return fail
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -167,8 +180,7 @@ def test_a_failed_round_voids_its_held_answers_and_loses_nothing(name: str, tmp_
             await asyncio.sleep(0.001)
         store = b.worker.store
         # The round's commit writes the queue's catalog record: that fails.
-        # (Its database is replaced, not its method: the store may be compiled.)
-        failing = store.cat = _FailingPutOnce(store.cat)
+        failing = store.cat = _FailingOnce(store.cat, "put")
         holder = Holder(b)
         taken = await b.take("q", sync=ALWAYS, holder=holder)
         assert taken is not None and taken.body == b"kept"
@@ -182,3 +194,34 @@ def test_a_failed_round_voids_its_held_answers_and_loses_nothing(name: str, tmp_
         assert size is not None and size.items == 0
 
     session(name, tmp_path, body)
+
+
+@ON_LOOP
+@pytest.mark.parametrize("name", NAMES)
+def test_a_failed_sync_answers_its_round_with_the_error_and_gives_takes_back(
+    name: str, loop_sync_max_us: int, tmp_path: Path
+) -> None:
+    async def body(b: _BdbBackend) -> None:
+        await put(b, "q", b"kept")
+        while b.worker.lock.locked():
+            await asyncio.sleep(0.001)
+        store = b.worker.store
+        env = store.env
+        failing = store.env = _FailingOnce(env, "log_flush")
+        try:
+            holder = Holder(b)
+            taken = await b.take("q", sync=ALWAYS, holder=holder)
+            assert taken is not None and taken.body == b"kept"
+            assert await b.put("q", Message(b"unsure"), sync=ALWAYS, holder=holder) is Put.STORED
+            error = await holder.released()
+        finally:
+            store.env = env
+        assert failing.failed
+        assert isinstance(error, StorageError) and "I/O error" in str(error)
+        # Committed, not known to be on disk: the take is given back (the
+        # client was told it failed); the put may stay, as an unacknowledged
+        # set may have landed.
+        bodies = sorted(m.body for m in await drain(b, "q"))
+        assert bodies == [b"kept", b"unsure"]
+
+    session(name, tmp_path, body, loop_sync_max_us=loop_sync_max_us)
