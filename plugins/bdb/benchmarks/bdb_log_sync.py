@@ -6,7 +6,7 @@ once with `zero_log_files = true` and once with false, alternating, and
 prints the sync's and the batch's latency percentiles. Run it on the file
 system the data directory will live on (--dir): zeroing ahead saves a sync
 the update of the file's size and blocks where the file system keeps them
-apart from the data (ext4, XFS), and nothing on a copy-on-write one.
+apart from the data (such as ext4), and nothing on a copy-on-write one.
 
 Usage: python plugins/bdb/benchmarks/bdb_log_sync.py [--dir .] [--batches 20000]
 """

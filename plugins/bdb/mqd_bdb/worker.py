@@ -6,12 +6,12 @@ in a transaction left open for the rest of that turn of the loop: a round.
 At the end of the turn the round commits without a sync; if any of its jobs
 asked for `Sync.ALWAYS`, the log is synced, and the round's holders send
 their replies once that sync has ended (or the error instead, if the round
-failed and was undone). Where syncs take under `loop_sync_max_us` the loop syncs
-there and then, as Redis does; otherwise the sync thread syncs while the
-loop goes on, and the next round stays open and ends as that sync does: one
-commit and one sync for all that came meanwhile. That is a group commit with no thread hand-off and
-no future per job. Bundles of quick jobs from callers that await futures
-run in the same rounds, and are answered after the same syncs.
+failed and was undone). Where syncs take under `loop_sync_max_us` the loop
+syncs there and then, as Redis does; otherwise the sync thread syncs while
+the loop goes on, and the next round stays open and ends as that sync does:
+one commit and one sync for all that came meanwhile. That is a group commit
+with no future per job. Bundles of quick jobs from callers that await
+futures run in the same rounds, and are answered after the same syncs.
 
 Everything else goes to the worker thread: the event loop hands jobs over in
 bundles and awaits their futures. The worker
