@@ -41,6 +41,10 @@ class BdbConfig:
     #: ...or this long after the last one if anything changed. Checkpoints
     #: bound recovery time and let old log files be removed.
     checkpoint_s: float = 60.0
+    #: A round's sync is done by the kernel while the event loop goes on (Linux
+    #: AIO's fdatasync, mqd_bdb.logsync), where the kernel offers it; false, or
+    #: where it does not, loop_sync_max_us decides where the sync runs.
+    aio_sync: bool = True
     #: A round's sync runs on the event loop itself while syncs take less than
     #: this on average (handing it to the sync thread and back costs more than
     #: a fast sync), on the sync thread otherwise, so that a slow disk does not

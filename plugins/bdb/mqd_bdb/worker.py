@@ -6,11 +6,13 @@ in a transaction left open for the rest of that turn of the loop: a round.
 At the end of the turn the round commits without a sync; if any of its jobs
 asked for `Sync.ALWAYS`, the log is synced, and the round's holders send
 their replies once that sync has ended (or the error instead, if the round
-failed and was undone). Where syncs take under `loop_sync_max_us` the loop
-syncs there and then, as Redis does; otherwise the sync thread syncs while
-the loop goes on, and the next round stays open and ends as that sync does:
-one commit and one sync for all that came meanwhile. That is a group commit
-with no future per job. Bundles of quick jobs from callers that await
+failed and was undone). With `aio_sync`, the kernel syncs the log file
+while the loop goes on (mqd_bdb.logsync), and the next round stays open and
+ends as that sync does: one commit and one sync for all that came meanwhile.
+That is a group commit with no future per job. Without Linux AIO, the loop
+syncs there and then where syncs take under `loop_sync_max_us`, as Redis
+does; otherwise the sync thread syncs while the loop goes on, the next round
+again staying open until it is done. Bundles of quick jobs from callers that await
 futures run in the same rounds, and are answered after the same syncs.
 
 Everything else goes to the worker thread: the event loop hands jobs over in
@@ -52,6 +54,7 @@ from typing import Any, Final
 from mqd.backend import Holder, Message, Pending, QueueSize, Sync
 from mqd_bdb import jobs
 from mqd_bdb.errors import storage_error
+from mqd_bdb.logsync import UNSUPPORTED, LogSync
 from mqd_bdb.store import Store
 
 log = logging.getLogger("mqd.bdb")
@@ -151,11 +154,14 @@ class Worker:
         self._expected = 0  # writers the last sync answered
         self._sync_s = 0.0  # how long a sync takes, on average
         self._loop_sync_max_s = store.config.loop_sync_max_us / 1e6
+        self._aio: LogSync | None = None  # Linux AIO's syncs, if on and there
+        self._aio_started = 0.0  # when the sync in flight was submitted
         # Counters, for tests and stats.
         self.batches = 0
         self.jobs = 0
         self.flushes = 0
         self.loop_flushes = 0  # of those, run on the event loop
+        self.aio_flushes = 0  # of those, by Linux AIO
         self.rounds = 0  # rounds run on the event loop
 
     # -- loop side -----------------------------------------------------------
@@ -164,7 +170,10 @@ class Worker:
         """Start the thread and open the store; the gauges of every queue."""
         self._opened = self.loop.create_future()
         self.thread.start()
-        return await self._opened
+        sizes = await self._opened
+        if self.store.config.aio_sync:
+            self._aio = LogSync.open(self.loop, self._aio_synced)
+        return sizes
 
     async def stop(self) -> None:
         """Finish every job submitted so far, close the store, end the thread."""
@@ -174,6 +183,9 @@ class Worker:
             await done
         finally:
             await asyncio.to_thread(self.thread.join)
+            if self._aio is not None:
+                self._aio.close()  # after answering the sync in flight
+                self._aio = None
 
     def submit(self, bundle: list[jobs.Job]) -> None:
         """Run jobs, in order: in this turn's round if they are quick, else on the thread.
@@ -276,10 +288,13 @@ class Worker:
         published: Published = {}
         error = r.error
         committed = False
+        aio: LogSync | None = None
         try:
             if error is None:
                 store.commit(r.txn, published)
                 committed = True
+                if r.writers:
+                    aio = self._aim()
             else:
                 store.abort(r.txn, r.cause)
         except Exception as exc:
@@ -300,7 +315,9 @@ class Worker:
             self._seq += 1
             self._unsynced.append((self._seq, r, results, published, None))
             self._syncing = True
-            if self._sync_s < self._loop_sync_max_s and len(self._unsynced) == 1:
+            if aio is not None and self._submit(aio, self._seq):
+                pass  # the kernel syncs while the loop goes on; _aio_synced answers
+            elif self._sync_s < self._loop_sync_max_s and len(self._unsynced) == 1:
                 # A fast disk: the loop syncs the round itself, as Redis does.
                 # Handing the sync to the thread and back costs two wake-ups
                 # and two GIL hand-offs, more than such a sync takes.
@@ -315,6 +332,39 @@ class Worker:
             self._unsynced.append((0, r, results, published, error))  # after those ahead
         else:
             self._answer(r, results, published, error)
+
+    def _aim(self) -> LogSync | None:
+        """Linux AIO, aimed at the log file the round's commit went to; None: sync otherwise."""
+        aio = self._aio
+        if aio is not None and len(self._unsynced) == 0:
+            try:
+                aio.follow(self.store.env)
+            except Exception as exc:
+                log.warning("log sync by Linux AIO not started: %s", exc)
+                return None
+            return aio
+        return None
+
+    def _submit(self, aio: LogSync, seq: int) -> bool:
+        """Have the kernel sync the log up to round `seq`; False if it refused."""
+        try:
+            aio.submit(seq)
+        except OSError as exc:
+            if exc.errno in UNSUPPORTED:
+                log.warning("log syncs by Linux AIO refused here, synced otherwise: %s", exc)
+                self._aio = None
+                aio.close()
+            return False
+        self._aio_started = time.monotonic()
+        return True
+
+    def _aio_synced(self, seq: int, error: OSError | None) -> None:
+        """Linux AIO's sync of round `seq` ended."""
+        if error is None:
+            self._sync_s += (time.monotonic() - self._aio_started - self._sync_s) / 8
+            self.flushes += 1
+            self.aio_flushes += 1
+        self._synced(seq, None if error is None else storage_error(error))
 
     def _synced(self, done: int, error: BaseException | None) -> None:
         """The log is synced up to round `done` (or could not be): answer those rounds."""

@@ -198,7 +198,12 @@ def test_bad_options_are_config_errors(tmp_path: Path) -> None:
         ConfigError, match=r"storage\.bdb\.zero_log_files = 1: must be true or false"
     ):
         make("bdb", tmp_path, zero_log_files=1)
+    with pytest.raises(
+        ConfigError, match=r"storage\.bdb-single\.aio_sync = 'yes': must be true or false"
+    ):
+        make("bdb-single", tmp_path, aio_sync="yes")
     make("bdb", tmp_path, cache_mb=8, page_size=8192, checkpoint_s=5, zero_log_files=False)
+    make("bdb", tmp_path, aio_sync=False)
 
 
 def test_calls_before_open_fail_cleanly(tmp_path: Path) -> None:

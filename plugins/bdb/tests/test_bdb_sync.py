@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,15 +128,38 @@ class Holder:
         return self.ended[-1][0]
 
 
-#: loop_sync_max_us: so high that every round's sync runs on the event loop
-#: however slow this disk, and 0 (every round's sync on the sync thread).
-ON_LOOP = pytest.mark.parametrize("loop_sync_max_us", [1_000_000, 0], ids=["on-loop", "on-thread"])
+#: Where a round's sync runs, and the keys that put it there: by Linux AIO; on
+#: the event loop (a loop_sync_max_us so high that it does however slow this
+#: disk); on the sync thread.
+SYNC_PATHS: dict[str, dict[str, Any]] = {
+    "aio": {"aio_sync": True},
+    "on-loop": {"aio_sync": False, "loop_sync_max_us": 1_000_000},
+    "on-thread": {"aio_sync": False, "loop_sync_max_us": 0},
+}
+EACH_PATH = pytest.mark.parametrize("where", list(SYNC_PATHS))
 
 
-@ON_LOOP
+def sync_session(
+    name: str,
+    tmp_path: Path,
+    where: str,
+    body: Callable[[_BdbBackend], Awaitable[None]],
+    **extra: Any,
+) -> None:
+    """session() with a round's syncs run `where` (skipped where Linux AIO is not offered)."""
+
+    async def checked(b: _BdbBackend) -> None:
+        if where == "aio" and b.worker._aio is None:
+            pytest.skip("the kernel offers no Linux AIO here")
+        await body(b)
+
+    session(name, tmp_path, checked, **SYNC_PATHS[where], **extra)
+
+
+@EACH_PATH
 @pytest.mark.parametrize("name", NAMES)
 def test_held_answers_come_at_once_and_are_released_after_their_sync(
-    name: str, loop_sync_max_us: int, tmp_path: Path
+    name: str, where: str, tmp_path: Path
 ) -> None:
     async def body(b: _BdbBackend) -> None:
         await put_and_settle(b, b"first")
@@ -148,10 +173,11 @@ def test_held_answers_come_at_once_and_are_released_after_their_sync(
         assert await holder.released() is None
         assert holder.ended[0][1] > flushes  # released once a sync covered the round
         assert b.worker.rounds >= 1
-        assert (b.worker.loop_flushes > 0) == (loop_sync_max_us > 0)
+        assert (b.worker.aio_flushes > 0) == (where == "aio")
+        assert (b.worker.loop_flushes > 0) == (where == "on-loop")
         assert [m.body for m in await drain(b, "q")] == [b"second"]
 
-    session(name, tmp_path, body, loop_sync_max_us=loop_sync_max_us)
+    sync_session(name, tmp_path, where, body)
 
 
 class _FailingOnce:
@@ -198,25 +224,50 @@ def test_a_failed_round_voids_its_held_answers_and_loses_nothing(name: str, tmp_
     session(name, tmp_path, body)
 
 
-@ON_LOOP
+def fail_next_sync(b: _BdbBackend) -> Callable[[], bool]:
+    """The next sync of a round fails with EIO; a function telling whether it did.
+
+    Berkeley DB's log_flush fails; or, with Linux AIO, the kernel's answer is
+    replaced with EIO. Call the function before the store is used again.
+    """
+    worker = b.worker
+    aio = worker._aio
+    if aio is None:
+        store = worker.store
+        env = store.env
+        failing = store.env = _FailingOnce(env, "log_flush")
+
+        def ended() -> bool:
+            store.env = env
+            return failing.failed
+
+        return ended
+    answer = aio.done
+    failed: list[int] = []
+
+    def fail(number: int, error: OSError | None) -> None:
+        aio.done = answer
+        failed.append(number)
+        answer(number, OSError(errno.EIO, os.strerror(errno.EIO)))
+
+    aio.done = fail
+    return lambda: bool(failed)
+
+
+@EACH_PATH
 @pytest.mark.parametrize("name", NAMES)
-def test_a_failed_sync_fails_its_round(name: str, loop_sync_max_us: int, tmp_path: Path) -> None:
+def test_a_failed_sync_fails_its_round(name: str, where: str, tmp_path: Path) -> None:
     """Its held answers are the error; the messages its takes took are given back."""
 
     async def body(b: _BdbBackend) -> None:
         await put_and_settle(b, b"kept")
-        store = b.worker.store
-        env = store.env
-        failing = store.env = _FailingOnce(env, "log_flush")
-        try:
-            holder = Holder(b)
-            taken = await b.take("q", sync=ALWAYS, holder=holder)
-            assert taken is not None and taken.body == b"kept"
-            assert await b.put("q", Message(b"unsure"), sync=ALWAYS, holder=holder) is Put.STORED
-            error = await holder.released()
-        finally:
-            store.env = env
-        assert failing.failed
+        failed = fail_next_sync(b)
+        holder = Holder(b)
+        taken = await b.take("q", sync=ALWAYS, holder=holder)
+        assert taken is not None and taken.body == b"kept"
+        assert await b.put("q", Message(b"unsure"), sync=ALWAYS, holder=holder) is Put.STORED
+        error = await holder.released()
+        assert failed()
         assert isinstance(error, StorageError) and "I/O error" in str(error)
         # Committed, not known to be on disk: the take is given back (the
         # client was told it failed); the put may stay, as an unacknowledged
@@ -224,4 +275,90 @@ def test_a_failed_sync_fails_its_round(name: str, loop_sync_max_us: int, tmp_pat
         bodies = sorted(m.body for m in await drain(b, "q"))
         assert bodies == [b"kept", b"unsure"]
 
-    session(name, tmp_path, body, loop_sync_max_us=loop_sync_max_us)
+    sync_session(name, tmp_path, where, body)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_aio_syncs_follow_the_log_into_new_files(name: str, tmp_path: Path) -> None:
+    """Rounds of 64 KiB sets fill 1 MiB log files; every set is there after a restart."""
+    bodies = [bytes([i]) * (64 << 10) for i in range(48)]
+
+    async def fill(b: _BdbBackend) -> None:
+        await put_and_settle(b, b"first")
+        aio = b.worker._aio
+        assert aio is not None
+        files = set()
+        for i in range(0, len(bodies), 4):
+            holder = Holder(b)
+            for body in bodies[i : i + 4]:
+                assert await b.put("q", Message(body), sync=ALWAYS, holder=holder) is Put.STORED
+            assert await holder.released() is None
+            files.add(aio._file)
+        assert len(files) >= 3, files  # 3 MiB of sets: the syncs moved on twice at least
+        assert b.worker.aio_flushes >= len(bodies) // 4
+
+    async def check(b: _BdbBackend) -> None:
+        taken = [m.body for m in await drain(b, "q")]
+        assert sorted(taken) == sorted([b"first", *bodies])
+
+    sync_session(name, tmp_path, "aio", fill, log_file_mb=1)
+    session(name, tmp_path, check, log_file_mb=1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_file_the_kernel_cannot_aio_sync_is_synced_otherwise(name: str, tmp_path: Path) -> None:
+    """io_submit refuses an fdatasync of a pipe (EINVAL): Linux AIO is left off, the round
+    synced on the event loop, its answers released as usual."""
+
+    async def body(b: _BdbBackend) -> None:
+        await put_and_settle(b, b"first")
+        holder = Holder(b)
+        assert await b.put("q", Message(b"second"), sync=ALWAYS, holder=holder) is Put.STORED
+        assert await holder.released() is None
+        aio = b.worker._aio
+        assert aio is not None and aio._fd >= 0
+        read, write = os.pipe()
+        os.close(aio._fd)
+        aio._fd = read  # closed with the rest when the worker lets go of Linux AIO
+        os.close(write)
+        holder = Holder(b)
+        assert await b.put("q", Message(b"third"), sync=ALWAYS, holder=holder) is Put.STORED
+        assert await holder.released() is None
+        assert b.worker._aio is None
+        assert b.worker.loop_flushes == 1
+        bodies = sorted(m.body for m in await drain(b, "q"))
+        assert bodies == [b"first", b"second", b"third"]
+
+    sync_session(name, tmp_path, "aio", body)
+
+
+class Recorder:
+    """A caller that holds its replies, noting how each Pending ended."""
+
+    def __init__(self) -> None:
+        self.ended: list[BaseException | None] = []
+
+    def hold(self, pending: Pending) -> None:
+        pending.add(self.ended.append)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_close_answers_the_sync_in_flight(name: str, tmp_path: Path) -> None:
+    recorder = Recorder()
+
+    async def main() -> None:
+        b = make(name, tmp_path)
+        await b.open()
+        try:
+            if b.worker._aio is None:
+                pytest.skip("the kernel offers no Linux AIO here")
+            await put_and_settle(b, b"first")
+            assert await b.put("q", Message(b"last"), sync=ALWAYS, holder=recorder) is Put.STORED
+            assert not recorder.ended
+        finally:
+            await b.close()
+
+    asyncio.run(main())
+    assert recorder.ended == [None]
+    bodies = sorted(m.body for m in session(name, tmp_path, lambda b: drain(b, "q")))
+    assert bodies == [b"first", b"last"]
