@@ -380,8 +380,11 @@ class Worker:
         self._note(error is None, False)
         self._syncing = self._seq > done
         if self._end_due and not self._syncing:
+            # The open round ends with this turn of the loop, not here: what
+            # the turn still reads joins it, to be answered after the next
+            # sync rather than the one after, and the syncs are fewer.
             self._end_due = False
-            self._end_round()
+            self.loop.call_soon(self._end_round)
 
     def _answer(
         self,
