@@ -340,7 +340,7 @@ class Worker:
             try:
                 aio.follow(self.store.env)
             except Exception as exc:
-                log.warning("log sync by Linux AIO not started: %s", exc)
+                self._give_up_aio(aio, exc)
                 return None
             return aio
         return None
@@ -351,12 +351,17 @@ class Worker:
             aio.submit(seq)
         except OSError as exc:
             if exc.errno in UNSUPPORTED:
-                log.warning("log syncs by Linux AIO refused here, synced otherwise: %s", exc)
-                self._aio = None
-                aio.close()
+                self._give_up_aio(aio, exc)
             return False
         self._aio_started = time.monotonic()
         return True
+
+    def _give_up_aio(self, aio: LogSync, exc: BaseException) -> None:
+        """Linux AIO cannot sync this log: from now on the loop or the sync thread does
+        (logged once, not once a round)."""
+        log.warning("log syncs by Linux AIO stopped, synced otherwise from now on: %s", exc)
+        self._aio = None
+        aio.close()  # nothing is in flight: a sync is asked for only after the last one ended
 
     def _aio_synced(self, seq: int, error: OSError | None) -> None:
         """Linux AIO's sync of round `seq` ended."""

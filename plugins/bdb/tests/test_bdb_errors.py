@@ -183,25 +183,29 @@ def test_an_io_error_on_a_file_system_with_no_room_is_the_full_disk(tmp_path: Pa
             store.close()
 
 
-def test_bad_options_are_config_errors(tmp_path: Path) -> None:
-    with pytest.raises(
-        ConfigError, match=r"storage\.bdb\.cache = 3: unknown key; known keys: cache_mb"
-    ):
-        make("bdb", tmp_path, cache=3)
-    with pytest.raises(
-        ConfigError, match=r"storage\.bdb-single\.cache_mb = 'big': must be a whole"
-    ):
-        make("bdb-single", tmp_path, cache_mb="big")
-    with pytest.raises(ConfigError, match=r"page_size = 1000: must be 0 or a power of two"):
-        make("bdb-random", tmp_path, page_size=1000)
-    with pytest.raises(
-        ConfigError, match=r"storage\.bdb\.zero_log_files = 1: must be true or false"
-    ):
-        make("bdb", tmp_path, zero_log_files=1)
-    with pytest.raises(
-        ConfigError, match=r"storage\.bdb-single\.aio_sync = 'yes': must be true or false"
-    ):
-        make("bdb-single", tmp_path, aio_sync="yes")
+@pytest.mark.parametrize(
+    ("name", "key", "value", "error"),
+    [
+        ("bdb", "cache", 3, r"storage\.bdb\.cache = 3: unknown key; known keys: cache_mb"),
+        (
+            "bdb-single",
+            "cache_mb",
+            "big",
+            r"storage\.bdb-single\.cache_mb = 'big': must be a whole",
+        ),
+        ("bdb-random", "page_size", 1000, r"page_size = 1000: must be 0 or a power of two"),
+        ("bdb", "zero_log_files", 1, r"storage\.bdb\.zero_log_files = 1: must be true or false"),
+        ("bdb-single", "aio_sync", "yes", r"bdb-single\.aio_sync = 'yes': must be true or false"),
+    ],
+)
+def test_bad_options_are_config_errors(
+    name: str, key: str, value: Any, error: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match=error):
+        make(name, tmp_path, **{key: value})
+
+
+def test_good_options_are_taken(tmp_path: Path) -> None:
     make("bdb", tmp_path, cache_mb=8, page_size=8192, checkpoint_s=5, zero_log_files=False)
     make("bdb", tmp_path, aio_sync=False)
 

@@ -305,10 +305,14 @@ def test_aio_syncs_follow_the_log_into_new_files(name: str, tmp_path: Path) -> N
     session(name, tmp_path, check, log_file_mb=1)
 
 
+@pytest.mark.parametrize("fault", ["pipe", "log_stat"])
 @pytest.mark.parametrize("name", NAMES)
-def test_a_file_the_kernel_cannot_aio_sync_is_synced_otherwise(name: str, tmp_path: Path) -> None:
-    """io_submit refuses an fdatasync of a pipe (EINVAL): Linux AIO is left off, the round
-    synced on the event loop, its answers released as usual."""
+def test_where_aio_cannot_sync_the_loop_does_from_then_on(
+    name: str, fault: str, tmp_path: Path
+) -> None:
+    """Linux AIO is given up for good, the round synced on the event loop, its answers
+    released as usual. `pipe`: io_submit refuses an fdatasync of a pipe (EINVAL);
+    `log_stat`: the log file is not found."""
 
     async def body(b: _BdbBackend) -> None:
         await put_and_settle(b, b"first")
@@ -317,17 +321,26 @@ def test_a_file_the_kernel_cannot_aio_sync_is_synced_otherwise(name: str, tmp_pa
         assert await holder.released() is None
         aio = b.worker._aio
         assert aio is not None and aio._fd >= 0
-        read, write = os.pipe()
-        os.close(aio._fd)
-        aio._fd = read  # closed with the rest when the worker lets go of Linux AIO
-        os.close(write)
-        holder = Holder(b)
-        assert await b.put("q", Message(b"third"), sync=ALWAYS, holder=holder) is Put.STORED
-        assert await holder.released() is None
+        store = b.worker.store
+        env = store.env
+        if fault == "pipe":
+            read, write = os.pipe()
+            os.close(aio._fd)
+            aio._fd = read  # closed with the rest when the worker gives Linux AIO up
+            os.close(write)
+        else:
+            store.env = _FailingOnce(env, "log_stat")
+        try:
+            holder = Holder(b)
+            assert await b.put("q", Message(b"third"), sync=ALWAYS, holder=holder) is Put.STORED
+            assert await holder.released() is None
+        finally:
+            store.env = env
         assert b.worker._aio is None
         assert b.worker.loop_flushes == 1
+        assert await b.put("q", Message(b"fourth"), sync=ALWAYS) is Put.STORED
         bodies = sorted(m.body for m in await drain(b, "q"))
-        assert bodies == [b"first", b"second", b"third"]
+        assert bodies == [b"first", b"fourth", b"second", b"third"]
 
     sync_session(name, tmp_path, "aio", body)
 
