@@ -293,6 +293,11 @@ def test_aio_syncs_follow_the_log_into_new_files(name: str, tmp_path: Path) -> N
             for body in bodies[i : i + 4]:
                 assert await b.put("q", Message(body), sync=ALWAYS, holder=holder) is Put.STORED
             assert await holder.released() is None
+            # What was synced is the file the log is being written to.
+            env = b.worker.store.env
+            assert aio._file == env.log_stat()["disk_file"]
+            log_file = os.stat(env.log_file((aio._file, 0)))
+            assert os.fstat(aio._fd).st_ino == log_file.st_ino
             files.add(aio._file)
         assert len(files) >= 3, files  # 3 MiB of sets: the syncs moved on twice at least
         assert b.worker.aio_flushes >= len(bodies) // 4
