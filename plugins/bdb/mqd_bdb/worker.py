@@ -7,24 +7,24 @@ At the end of the turn the round commits without a sync; if any of its jobs
 asked for `Sync.ALWAYS`, the log is synced, and the round's holders send
 their replies once that sync has ended (or the error instead, if the round
 failed and was undone). With `aio_sync`, the kernel syncs the log file
-while the loop goes on (mqd_bdb.logsync), and the next round stays open and
-ends as that sync does: one commit and one sync for all that came meanwhile.
-That is a group commit with no future per job. Without Linux AIO, the loop
-syncs there and then where syncs take under `loop_sync_max_us`, as Redis
-does; otherwise the sync thread syncs while the loop goes on, the next round
-again staying open until it is done. Bundles of quick jobs from callers that await
-futures run in the same rounds, and are answered after the same syncs.
+while the loop goes on (mqd_bdb.logsync), and the next round stays open
+until the turn of the loop in which that sync ends is over: one commit and
+one sync for all that came meanwhile. That is a group commit with no future
+per job. Without Linux AIO, the loop syncs there and then where syncs take
+under `loop_sync_max_us`, as Redis does; otherwise the sync thread syncs
+while the loop goes on, the next round again staying open until it is done.
+Bundles of quick jobs from callers that await futures run in the same
+rounds, and are answered after the same syncs.
 
 Everything else goes to the worker thread: the event loop hands jobs over in
-bundles and awaits their futures. The worker
-takes whatever has arrived (up to `max_batch` jobs) and runs it in one
-transaction, committed without a sync. If a job asked for `Sync.ALWAYS`, the
-log is synced once for the batch before any result is handed back (group
-commit); and since writers answered by one sync tend to come back together,
-the worker first waits a little (at most one sync's duration) for as many
-writers as the last sync had, running what they send: one sync for all of
-them costs less than two. All results of a sync go back to the loop in one
-call_soon_threadsafe.
+bundles and awaits their futures. The worker takes whatever has arrived
+(up to `max_batch` jobs) and runs it in one transaction, committed without
+a sync. If a job asked for `Sync.ALWAYS`, the log is synced once for the
+batch before any result is handed back (group commit); and since writers
+answered by one sync tend to come back together, the worker first waits a
+little (at most one sync's duration) for as many writers as the last sync
+had, running what they send: one sync for all of them costs less than two.
+All results of a sync go back to the loop in one call_soon_threadsafe.
 
 Between batches the worker closes idle files and purges deleted queues. The
 keeper thread syncs the log for `Sync.PERIODIC`, writes dirty pages out ahead
