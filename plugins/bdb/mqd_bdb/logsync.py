@@ -137,4 +137,5 @@ class LogSync:
             os.close(self._efd)
             if self._fd >= 0:
                 os.close(self._fd)
-            self._call(self._destroy, self._ctx)
+            # Its only failure, a context already gone, leaves nothing to undo.
+            self._syscall(self._destroy, self._ctx)

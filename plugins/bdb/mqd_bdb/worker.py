@@ -312,12 +312,14 @@ class Worker:
         if store.upkeep_due():
             self.inbox.put([])  # the thread's housekeeping: it looks between bundles
         if committed and r.writers:
+            # One sync at a time: a round that ran while one did ended only
+            # once it had answered (_end_due), so none is in flight here.
             self._seq += 1
             self._unsynced.append((self._seq, r, results, published, None))
             self._syncing = True
             if aio is not None and self._submit(aio, self._seq):
                 pass  # the kernel syncs while the loop goes on; _aio_synced answers
-            elif self._sync_s < self._loop_sync_max_s and len(self._unsynced) == 1:
+            elif self._sync_s < self._loop_sync_max_s:
                 # A fast disk: the loop syncs the round itself, as Redis does.
                 # Handing the sync to the thread and back costs two wake-ups
                 # and two GIL hand-offs, more than such a sync takes.
@@ -336,14 +338,13 @@ class Worker:
     def _aim(self) -> LogSync | None:
         """Linux AIO, aimed at the log file the round's commit went to; None: sync otherwise."""
         aio = self._aio
-        if aio is not None and len(self._unsynced) == 0:
+        if aio is not None:
             try:
                 aio.follow(self.store.env)
             except Exception as exc:
                 self._give_up_aio(aio, exc)
                 return None
-            return aio
-        return None
+        return aio
 
     def _submit(self, aio: LogSync, seq: int) -> bool:
         """Have the kernel sync the log up to round `seq`; False if it refused."""
@@ -361,7 +362,7 @@ class Worker:
         (logged once, not once a round)."""
         log.warning("log syncs by Linux AIO stopped, synced otherwise from now on: %s", exc)
         self._aio = None
-        aio.close()  # nothing is in flight: a sync is asked for only after the last one ended
+        aio.close()  # nothing is in flight: one sync at a time (see _end_round)
 
     def _aio_synced(self, seq: int, error: OSError | None) -> None:
         """Linux AIO's sync of round `seq` ended."""
