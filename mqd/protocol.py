@@ -28,6 +28,8 @@ MAX_BYTES_FIELD = 2**31 - 1  # memcached parses <bytes> as a signed 32-bit numbe
 MAX_FLAGS = 2**32 - 1
 MAX_LEASE_COUNT = 100_000  # messages one named lease holds, or one range read covers (`/n=`)
 MAX_VISIBILITY_MS = 7 * 24 * 3600 * 1000  # a named lease's own visibility timeout, at most
+MAX_CACHED = 4096  # keys and queue names a connection keeps parsed
+MAX_CACHED_LINES = 256  # whole `get` and `set` lines a connection keeps parsed
 
 REPLY = {
     "stored": b"STORED\r\n",
@@ -367,6 +369,12 @@ class Parser:
         # Keys and names are parsed once per connection (bounded: client-chosen).
         self._keys: dict[bytes, Key | None] = {}
         self._names: dict[bytes, str | None] = {}
+        # So are the plain `get <key>` lines, and the `set` lines that take the
+        # fast path in feed() (queue, flags, exptime, bytes): a client sends
+        # the same few again and again, and one lookup of the whole line
+        # costs less than slicing, splitting and converting it every time.
+        self._get_lines: dict[bytes, Key] = {}
+        self._set_lines: dict[bytes, tuple[str, int, int, int]] = {}
 
     def feed(self, data: bytes) -> list[Command]:
         """Take more input and return every command it completes, in order."""
@@ -419,9 +427,23 @@ class Parser:
             # Fast paths for the two commands that carry the load; anything
             # unusual about them falls through to the general path below,
             # which gives the same result (the property tests check both).
-            if line[:4] == b"get ":
+            # Inline: every get and set comes here.
+            parsed = self._set_lines.get(line)
+            if parsed is not None:
+                block = pos + parsed[3] + 2
+                if block <= size and data[block - 2] == 13 and data[block - 1] == 10:
+                    body = data[pos : block - 2]
+                    out.append(Store(False, parsed[0], parsed[1], parsed[2], body, False))
+                    pos = block
+                    continue
+            elif (key := self._get_lines.get(line)) is not None:
+                out.append(Retrieve([key], False))
+                continue
+            elif line[:4] == b"get ":
                 key = self._keys.get(line[4:])
                 if key is not None:
+                    if len(self._get_lines) < MAX_CACHED_LINES:
+                        self._get_lines[line] = key
                     out.append(Retrieve([key], False))
                     continue
             elif line[:4] == b"set ":
@@ -434,7 +456,7 @@ class Parser:
                         # A plain set whose block is complete. Only what is
                         # surely in range is taken here (9 digits < 2**32,
                         # 18 < 2**63); anything else takes the general path,
-                        # whose checks are the rule. Inline: every set comes here.
+                        # whose checks are the rule.
                         queue = self._names.get(tokens[1])
                         flags, exptime = tokens[2], tokens[3]
                         if (
@@ -445,8 +467,11 @@ class Parser:
                             and len(exptime) <= 18
                             and block - 2 - pos <= self.max_item_size
                         ):
+                            parsed = (queue, int(flags), int(exptime), block - 2 - pos)
+                            if len(self._set_lines) < MAX_CACHED_LINES:
+                                self._set_lines[line] = parsed
                             body = data[pos : block - 2]
-                            out.append(Store(False, queue, int(flags), int(exptime), body, False))
+                            out.append(Store(False, queue, parsed[1], parsed[2], body, False))
                             pos = block
                             continue
             command = self._command(line)
@@ -520,7 +545,7 @@ class Parser:
             return names[raw]
         except KeyError:
             name = queue_name(raw)
-            if len(names) < 4096:
+            if len(names) < MAX_CACHED:
                 names[raw] = name
             return name
 
@@ -564,7 +589,7 @@ class Parser:
                 key = cache[raw]
             except KeyError:
                 key = parse_key(raw)
-                if len(cache) < 4096:
+                if len(cache) < MAX_CACHED:
                     cache[raw] = key
             if key is None:
                 return _bad()

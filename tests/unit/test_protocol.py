@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mqd.errors import ClientError, ServerError, UnknownCommand
@@ -323,3 +323,17 @@ def test_any_split_gives_the_same_commands(stream: list[bytes], data: st.DataObj
     assert got == expected
     byte_by_byte = Parser()
     assert [c for i in range(len(whole)) for c in byte_by_byte.feed(whole[i : i + 1])] == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(commands(), min_size=1, max_size=12), st.data())
+def test_lines_seen_before_give_what_they_gave(stream: list[bytes], data: st.DataObject) -> None:
+    """A connection keeps its `get` and `set` lines parsed: sent again, in one
+    read or in pieces, they give the commands they gave the first time."""
+    whole = b"".join(stream)
+    expected = feed(whole)
+    seen = Parser()
+    assume(seen.feed(whole) == expected and not seen.partial and not seen.closed)
+    assert seen.feed(whole) == expected
+    cut = data.draw(st.integers(0, len(whole)))
+    assert [*seen.feed(whole[:cut]), *seen.feed(whole[cut:])] == expected
