@@ -28,7 +28,7 @@ from mypy_extensions import mypyc_attr
 from mqd import __version__, protocol
 from mqd.backend import PUT_STORED, Pending, Put
 from mqd.broker import Session
-from mqd.eager import Together, finish
+from mqd.eager import FINISHED, Together, finish, first_wait
 from mqd.errors import ProtocolError, ServerError, StorageError, UnknownCommand
 from mqd.protocol import (
     REPLY,
@@ -192,9 +192,8 @@ class Connection(asyncio.Protocol):
         # every read, which costs more than parsing and executing a command.
         # (eager.run_eagerly, inline: this is every read's path.)
         step = self.drain()
-        try:
-            waiting_on = step.send(None)
-        except StopIteration:
+        waiting_on = first_wait(step)
+        if waiting_on is FINISHED:
             return
         self.task = asyncio.get_running_loop().create_task(finish(step, waiting_on))
         self.server.overlap = True  # something waited: overlapping may pay again

@@ -9,16 +9,29 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Coroutine, Iterable
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 T = TypeVar("T")
 
 
+#: What first_wait() gives for a coroutine that ended without waiting.
+FINISHED: Final = object()
+
+
+def first_wait(coro: Coroutine[Any, Any, None]) -> Any:
+    """Run `coro` now up to its first wait: what it waits on, or FINISHED if it ended.
+
+    By next() on its iterator rather than send(): the end of a coroutine is
+    then no StopIteration to catch, which in compiled code (a traceback
+    entry made for each) costs more than a command.
+    """
+    return next(coro.__await__(), FINISHED)
+
+
 def run_eagerly(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
     """Run `coro` now until it first waits, then as a task; None if it never waited."""
-    try:
-        waiting_on = coro.send(None)
-    except StopIteration:
+    waiting_on = first_wait(coro)
+    if waiting_on is FINISHED:
         return None
     return asyncio.get_running_loop().create_task(finish(coro, waiting_on))
 
