@@ -132,8 +132,11 @@ class QueueState:
         "expired",
         "leases",
         "limits",
+        "max_item_size",
         "opened",
         "settings",
+        "sync",
+        "unique",
         "used",
         "waiters",
     )
@@ -150,6 +153,11 @@ class QueueState:
 
     def configure(self, settings: QueueSettings) -> None:
         self.settings = settings
+        # What every set and get reads, as fields of this (compiled) class:
+        # read from the settings, each would be a dictionary lookup.
+        self.sync = settings.sync
+        self.unique = settings.unique
+        self.max_item_size = settings.max_item_size
         limits = Limits(settings.max_items, settings.max_bytes, settings.overflow == "drop_oldest")
         # The shared instance when unbounded: a backend can tell by identity, no call.
         self.limits = limits if limits else NO_LIMITS
@@ -273,11 +281,10 @@ class Broker:
         state = self._queues.get(queue) or self.state(queue)
         if self._stamp:
             state.used = time.monotonic()
-        settings = state.settings
-        unique = command.add or settings.unique
+        unique = command.add or state.unique
         if unique and not self._unique:
             raise NotSupported("add" if command.add else "unique", self.backend.name)
-        if len(command.body) > settings.max_item_size:
+        if len(command.body) > state.max_item_size:
             raise ServerError(protocol.TOO_LARGE)
         now = time.time()
         expires = expiry(command.exptime, now) if command.exptime else 0.0
@@ -287,7 +294,7 @@ class Broker:
         result = await self.backend.put(
             queue,
             message,
-            sync=settings.sync,
+            sync=state.sync,
             unique=unique,
             limits=state.limits,
             fanout=self._fanout,
@@ -421,11 +428,11 @@ class Broker:
         if self._stamp:
             state.used = time.monotonic()
         while True:
-            message = await self.backend.take(queue, sync=state.settings.sync, holder=holder)
+            message = await self.backend.take(queue, sync=state.sync, holder=holder)
             if message is None:
                 if "+" in queue:
                     # A fanout child comes into being the first time it is named.
-                    await self.backend.create(queue, sync=state.settings.sync)
+                    await self.backend.create(queue, sync=state.sync)
                 break
             if message.expires and message.expires <= time.time():  # _expired, inline
                 state.expired += 1
@@ -459,7 +466,7 @@ class Broker:
             message = await self.backend.peek(queue)
             if message is None or not _expired(message):
                 return message
-            if await self.backend.remove(queue, message.offset, sync=state.settings.sync):
+            if await self.backend.remove(queue, message.offset, sync=state.sync):
                 state.expired += 1
 
     async def _open(self, queue: str, session: Session) -> Message | None:
@@ -496,7 +503,7 @@ class Broker:
         state = self.state(opened.queue)
         # False: the lease was lost (timed out and returned, or the queue
         # deleted); the message is someone else's now and stays.
-        if await self.backend.ack(opened.receipt, sync=state.settings.sync):
+        if await self.backend.ack(opened.receipt, sync=state.sync):
             state.dequeued += 1
             return True
         return False
@@ -722,7 +729,7 @@ class Broker:
             if done:
                 # An error leaves them all held: acknowledging again is safe.
                 receipts = [held[offset][1] for offset in done]
-                removed = await self.backend.ack_many(receipts, sync=state.settings.sync)
+                removed = await self.backend.ack_many(receipts, sync=state.sync)
                 # Those False too: their store leases were lost, not ours now.
                 if len(done) == len(held):
                     held.clear()
@@ -759,7 +766,7 @@ class Broker:
             to = [route(queue, message) for _, (message, _) in held]
             returned = await self.backend.release_many(
                 [receipt for _, (_, receipt) in held],
-                sync=state.settings.sync,
+                sync=state.sync,
                 to=to if any(to) else (),
             )
         for (_, (message, _)), moved_to, done in zip(held, to, returned, strict=True):
@@ -789,7 +796,7 @@ class Broker:
             kept = await self.backend.extend_many(
                 [receipt for _, (_, receipt) in held],
                 lease=timeout * LEASE_SLACK,
-                sync=state.settings.sync,
+                sync=state.sync,
             )
         except Exception as exc:
             log.warning("renewing a lease of %r failed: %s", lease.queue, exc)
@@ -873,7 +880,7 @@ class Broker:
         state = self.state(queue)
         self._drop_all(state)
         state.enqueued = state.dequeued = state.expired = 0
-        return await self.backend.delete(queue, sync=state.settings.sync)
+        return await self.backend.delete(queue, sync=state.sync)
 
     def _drop_all(self, state: QueueState) -> None:
         """Forget every open message and named lease of a queue whose messages are gone."""
@@ -945,7 +952,7 @@ class Broker:
             idle = state.settings.idle_expiry
             if not idle or state.used > now - idle or not state.idle():
                 continue
-            if await self.backend.expire_idle(queue, before=wall - idle, sync=state.settings.sync):
+            if await self.backend.expire_idle(queue, before=wall - idle, sync=state.sync):
                 expired.append(queue)
                 del self._queues[queue]
                 log.info("queue %r expired after %g s idle", queue, idle)

@@ -72,8 +72,7 @@ class DeferredPuts(BodyIndex):
         self, txn: Any, name: str, arg: tuple[Message, bool, Limits, ChildLimits | None]
     ) -> Put:
         message, unique, limits, children = arg
-        bounded = limits.max_items or limits.max_bytes
-        if unique or bounded or (children is not None and name in self.children):
+        if unique or jobs.bounded(limits) or (children is not None and name in self.children):
             # A fanout parent's copies go through put() again, each child for itself.
             self._write_deferred(txn, name)
             return super().put(txn, name, arg)

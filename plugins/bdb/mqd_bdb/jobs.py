@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Final
 
-from mqd.backend import Sync
+from mqd.backend import NO_LIMITS, Limits, Sync
 
 # Operation codes, the first item of a Job; the argument each takes.
 PUT: Final = 0  # (message, unique, limits, {child: limits} or None) -> Put
@@ -68,3 +68,13 @@ Result = tuple[Job, BaseException | None, Any]
 
 #: What a job run on the event loop gives when it has to go to the worker thread.
 LATER: Any = object()
+
+
+def bounded(limits: Limits) -> bool:
+    """Whether a put's `limits` bound its queue.
+
+    The broker passes the shared NO_LIMITS for an unbounded queue: told by
+    identity, without reading fields of a class compiled apart (each read a
+    dictionary lookup), on the path of every put.
+    """
+    return limits is not NO_LIMITS and bool(limits.max_items or limits.max_bytes)

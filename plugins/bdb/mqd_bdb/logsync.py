@@ -70,6 +70,7 @@ class LogSync:
         self._events = ctypes.create_string_buffer(_EVENT.size * _EVENTS)
         self._file = 0  # the log file's number
         self._fd = -1  # and a descriptor of it, opened to sync it
+        self._next = ""  # the path of the file after it
         self.in_flight = 0
         loop.add_reader(self._efd, self._reap)
 
@@ -90,11 +91,19 @@ class LogSync:
         return result
 
     def follow(self, env: Any) -> None:
-        """Aim at the log file the last commit was written to (the store's lock held)."""
+        """Aim at the log file the last commit was written to (the store's lock held).
+
+        Until the next file exists, that is the one aimed at: whether it does
+        is a stat, far cheaper than log_stat() every round, which is asked
+        only then (and the first time) which file the log is in.
+        """
+        if self._fd >= 0 and not os.access(self._next, os.F_OK):
+            return
         number = env.log_stat()["disk_file"]
         if number == self._file:
             return
         fd = os.open(env.log_file((number, 0)), os.O_RDONLY | os.O_CLOEXEC)
+        self._next = env.log_file((number + 1, 0))
         old, self._fd, self._file = self._fd, fd, number
         if old >= 0:
             try:

@@ -12,6 +12,7 @@ from typing import Any
 from berkeleydb import db
 
 from mqd.backend import NO_LIMITS, PUT_STORED, Lease, Limits, Message, Put, Receipt
+from mqd_bdb import jobs
 from mqd_bdb.catalog import QueueState
 from mqd_bdb.records import (
     CAT_RESERVED,
@@ -49,7 +50,7 @@ class Operations(Store):
             q = self._create(name)
         elif q.mdb is None:
             self._attach(q)
-        bounded = limits.max_items or limits.max_bytes
+        bounded = jobs.bounded(limits)
         if bounded:
             size = len(message.body)
             # A full queue refuses a plain put before anything else; a unique

@@ -91,7 +91,7 @@ class Store(Catalog):
             elif q.mdb is None:
                 return False
             _, unique, limits, children = job[2]
-            return not (unique or children is not None or limits.max_items or limits.max_bytes)
+            return not (unique or children is not None or jobs.bounded(limits))
         return (op == jobs.TAKE or op == jobs.ACK) and (q is None or q.mdb is not None)
 
     def upkeep_due(self) -> bool:

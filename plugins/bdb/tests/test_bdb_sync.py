@@ -317,7 +317,7 @@ def test_where_aio_cannot_sync_the_loop_does_from_then_on(
 ) -> None:
     """Linux AIO is given up for good, the round synced on the event loop, its answers
     released as usual. `pipe`: io_submit refuses an fdatasync of a pipe (EINVAL);
-    `log_stat`: the log file is not found."""
+    `log_stat`: a next log file is there, and which file the log is in is not found."""
 
     async def body(b: _BdbBackend) -> None:
         await put_and_settle(b, b"first")
@@ -334,6 +334,7 @@ def test_where_aio_cannot_sync_the_loop_does_from_then_on(
             aio._fd = read  # closed with the rest when the worker gives Linux AIO up
             os.close(write)
         else:
+            aio._next = str(tmp_path)  # a path that exists: the log seems to have moved on
             store.env = _FailingOnce(env, "log_stat")
         try:
             holder = Holder(b)
