@@ -29,7 +29,7 @@ from mqd_bdb.catalog import QueueState
 from mqd_bdb.config import BdbConfig
 from mqd_bdb.index import BodyIndex
 from mqd_bdb.operations import ChildLimits
-from mqd_bdb.records import U64
+from mqd_bdb.records import u64
 
 #: Jobs that may change or read queues other than the one they name.
 ANY_QUEUE: Final = frozenset(
@@ -98,7 +98,7 @@ class DeferredPuts(BodyIndex):
             del self._deferred[name]
         self.paired += 1
         offset = put.offset
-        q.removed(q.mpre + U64.pack(offset), len(put.body))
+        q.removed(q.mpre + u64(offset), len(put.body))
         q.hint = offset + 1  # as after any take: no waiting message sorts before
         # A copy, as a take reads one from its record: the put's caller holds `put`.
         return put.handed_out()

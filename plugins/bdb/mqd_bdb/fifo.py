@@ -13,7 +13,7 @@ from typing import Any
 from mqd.backend import Message
 from mqd_bdb.catalog import QueueState
 from mqd_bdb.deferred import DeferredPuts
-from mqd_bdb.records import U64, WAITING, body_of, first_waiting, read_message
+from mqd_bdb.records import WAITING, body_of, first_waiting, read_message, u64
 
 
 class FifoStore(DeferredPuts):
@@ -22,7 +22,7 @@ class FifoStore(DeferredPuts):
     def _first_waiting(self, txn: Any, q: QueueState) -> tuple[bytes, bytes] | None:
         # Nearly always the message at the hint is the head, waiting: read it
         # by key. Otherwise (open messages or gaps) step with a cursor.
-        key = q.mpre + U64.pack(q.hint)
+        key = q.mpre + u64(q.hint)
         value = q.mdb.get(key, None, txn)
         if value is not None and value[0] == WAITING:
             return key, value
@@ -37,7 +37,7 @@ class FifoStore(DeferredPuts):
         # (a read and then a delete by key would descend twice).
         cur = q.mdb.cursor(txn)
         try:
-            rec = first_waiting(cur, q.mpre + U64.pack(q.hint), q.mpre)
+            rec = first_waiting(cur, q.mpre + u64(q.hint), q.mpre)
             if rec is not None:
                 cur.delete()
             return rec
@@ -48,7 +48,7 @@ class FifoStore(DeferredPuts):
         return self._first_waiting(txn, q)
 
     def _waiting_at(self, txn: Any, q: QueueState, offset: int) -> tuple[bytes, bytes] | None:
-        key = q.mpre + U64.pack(offset)
+        key = q.mpre + u64(offset)
         value = q.mdb.get(key, None, txn)
         return (key, value) if value is not None and value[0] == WAITING else None
 
@@ -71,7 +71,7 @@ class FifoStore(DeferredPuts):
         prefix = q.mpre
         cur = q.mdb.cursor(txn)
         try:
-            rec = cur.set_range(prefix + U64.pack(q.hint))
+            rec = cur.set_range(prefix + u64(q.hint))
             while rec is not None and rec[0].startswith(prefix):
                 if rec[1][0] == WAITING and body_of(rec[1]) == body:
                     found.append(rec[0])
@@ -88,7 +88,7 @@ class FifoStore(DeferredPuts):
         q = self._find(name)
         if q is None:
             return None
-        value = q.mdb.get(q.mpre + U64.pack(offset), None, txn)
+        value = q.mdb.get(q.mpre + u64(offset), None, txn)
         return None if value is None else read_message(value)
 
     def read_range(self, txn: Any, name: str, arg: tuple[int, int, int]) -> list[Message]:
@@ -96,12 +96,12 @@ class FifoStore(DeferredPuts):
         q = self._find(name)
         if q is None:
             return []
-        prefix, end = q.mpre, q.mpre + U64.pack(first + count)
+        prefix, end = q.mpre, q.mpre + u64(first + count)
         found: list[Message] = []
         size = 0
         cur = q.mdb.cursor(txn)
         try:
-            rec = cur.set_range(prefix + U64.pack(max(first, 0)))
+            rec = cur.set_range(prefix + u64(max(first, 0)))
             while rec is not None and rec[0] < end and rec[0].startswith(prefix):
                 message = read_message(rec[1])
                 found.append(message)

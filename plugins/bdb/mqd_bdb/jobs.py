@@ -70,6 +70,11 @@ Result = tuple[Job, BaseException | None, Any]
 LATER: Any = object()
 
 
+#: mqd.backend.NO_LIMITS, held here as a Final: compiled, a static, where the
+#: imported name is a dictionary lookup.
+UNBOUNDED: Final = NO_LIMITS
+
+
 def bounded(limits: Limits) -> bool:
     """Whether a put's `limits` bound its queue.
 
@@ -77,4 +82,4 @@ def bounded(limits: Limits) -> bool:
     identity, without reading fields of a class compiled apart (each read a
     dictionary lookup), on the path of every put.
     """
-    return limits is not NO_LIMITS and bool(limits.max_items or limits.max_bytes)
+    return limits is not UNBOUNDED and bool(limits.max_items or limits.max_bytes)

@@ -29,6 +29,7 @@ from mqd_bdb.records import (
     read_lease,
     read_message,
     remarked,
+    u64,
 )
 
 #: What a receipt found: the queue, the lease record's key, the lease, the message's key.
@@ -43,7 +44,7 @@ class Leases(Operations):
         q = self._find(receipt.queue)
         if q is None or q.qid != receipt.incarnation:
             return None
-        lease_key = CAT_RESERVED + q.qkey + U64.pack(receipt.offset)
+        lease_key = CAT_RESERVED + q.qkey + u64(receipt.offset)
         raw = self.cat.get(lease_key, None, txn)
         if raw is None:
             return None

@@ -17,7 +17,6 @@ from mqd_bdb.catalog import QueueState
 from mqd_bdb.records import (
     CAT_RESERVED,
     RESERVED,
-    U64,
     WAITING,
     body_of,
     digest,
@@ -25,6 +24,7 @@ from mqd_bdb.records import (
     message_record,
     read_message,
     remarked,
+    u64,
 )
 from mqd_bdb.store import Store
 
@@ -114,7 +114,7 @@ class Operations(Store):
             q.head_added(key, message.created)
         elif q.items == 1:  # an offset-keyed append sorts after the head and the hint
             q.head_key, q.head_created, q.head_dirty = (
-                q.mpre + U64.pack(offset),
+                q.mpre + u64(offset),
                 message.created,
                 False,
             )
@@ -129,7 +129,7 @@ class Operations(Store):
             except db.DBKeyExistError:
                 return False
         else:
-            q.mdb.put(q.mpre + U64.pack(message.offset), value, txn)
+            q.mdb.put(q.mpre + u64(message.offset), value, txn)
         if q.indexed:
             self._count_body(txn, q, body, 1)
         return True
@@ -174,7 +174,7 @@ class Operations(Store):
         else:
             offset = message.offset
             q.mdb.put(key, remarked(value, RESERVED, message.deliveries), txn)
-            lease_key = CAT_RESERVED + q.qkey + U64.pack(offset)
+            lease_key = CAT_RESERVED + q.qkey + u64(offset)
             self.cat.put(lease_key, lease_record(lease, key[len(q.mpre) :]), txn)
             q.open += 1
             message.receipt = Receipt(q.name, q.qid, offset, lease.token)
@@ -251,7 +251,7 @@ class Operations(Store):
         if q is None:
             return False
         body = message.body
-        key = q.mpre + (digest(body) if self.keyed_by_body else U64.pack(message.offset))
+        key = q.mpre + (digest(body) if self.keyed_by_body else u64(message.offset))
         back = Message(
             body,
             message.flags,

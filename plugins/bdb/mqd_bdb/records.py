@@ -45,6 +45,14 @@ QID: Final = struct.Struct(">I")
 U32: Final = struct.Struct(">I")
 U64: Final = struct.Struct(">Q")
 CREATED: Final = struct.Struct(">d")
+
+
+def u64(number: int) -> bytes:
+    """`number` packed as U64 does: compiled, int.to_bytes is a direct call, where
+    a Struct's pack is a method looked up on every key made."""
+    return number.to_bytes(8, "big")
+
+
 #: qid, next offset, items, bytes, open, head's created, last change, flags (INDEXED).
 META: Final = struct.Struct(">IQQQQddB")
 INDEXED: Final = 1  # META flag: the queue's copies of each body are counted
