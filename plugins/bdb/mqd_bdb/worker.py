@@ -79,11 +79,24 @@ Unsynced = tuple[int, "Round", list[jobs.Result], Published, BaseException | Non
 class Round:
     """Quick jobs run on the event loop in one transaction, until the turn ends."""
 
-    __slots__ = ("cause", "error", "pending", "periodic", "results", "taken", "txn", "writers")
+    __slots__ = (
+        "cause",
+        "error",
+        "held",
+        "pending",
+        "periodic",
+        "results",
+        "taken",
+        "txn",
+        "writers",
+    )
 
     def __init__(self, txn: Any) -> None:
         self.txn = txn
         self.pending = Pending()  # the holders of its answers
+        # The holder last told to hold for it: told once for a run of its jobs
+        # (a connection's pipeline), not once a job, as it holds until the end.
+        self.held: Holder | None = None
         self.results: list[jobs.Result] = []  # of the jobs with futures, answered at the end
         self.taken: list[tuple[jobs.Job, Message]] = []  # given back if the sync fails
         self.writers = 0  # its jobs that asked for Sync.ALWAYS
@@ -225,7 +238,9 @@ class Worker:
                 return jobs.LATER
         elif r.error is not None or self._outstanding or not self.store.quick(job):
             return jobs.LATER
-        holder.hold(r.pending)
+        if holder is not r.held:
+            holder.hold(r.pending)
+            r.held = holder
         try:
             value = self.store.run_job(r.txn, job[0], job[1], job[2])
         except Exception as exc:

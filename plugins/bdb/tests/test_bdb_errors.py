@@ -15,6 +15,7 @@ from bdb_helpers import ALWAYS, NAMES, drain, fill_up, make, put, session, small
 from berkeleydb import db
 from mqd_bdb import jobs
 from mqd_bdb.backend import _BdbBackend
+from mqd_bdb.catalog import QueueState
 from mqd_bdb.config import BdbConfig
 from mqd_bdb.names import encode_name, file_stem
 from mqd_bdb.single import SingleStore
@@ -75,6 +76,25 @@ def test_one_failing_job_fails_alone(name: str, tmp_path: Path) -> None:
             assert sorted(got) == [b"a", b"b", b"c", b"d"]
 
     session(name, tmp_path, body)
+
+
+def test_a_queue_is_set_back_as_it_was() -> None:
+    """What an undone batch may have changed in a queue: state() takes it, set_state()
+    puts it back, field for field."""
+    q = QueueState("q", b"q", 1)
+    before = (5, 4, 300, 1, 12.5, 10.25, b"head", True, 3, b"hint", True)
+    q.set_state(before)
+    assert q.state() == before
+    assert (q.next_offset, q.items, q.bytes, q.open, q.hint, q.hint_key) == (
+        5,
+        4,
+        300,
+        1,
+        3,
+        b"hint",
+    )
+    q.set_state((0, 0, 0, 0, 0.0, 0.0, None, False, 0, b"", False))
+    assert q.state() != before
 
 
 @pytest.mark.parametrize("name", NAMES)
