@@ -35,7 +35,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple, Protocol, cast
+from typing import Any, ClassVar, Final, NamedTuple, Protocol, cast
 
 from mqd.eager import run_together
 from mqd.errors import BackendLoadError
@@ -76,6 +76,15 @@ class Put(enum.Enum):
 #: Put.STORED for the per-command paths: an enum member read off its class
 #: costs a class attribute lookup (~50 ns here), a module global does not.
 PUT_STORED = Put.STORED
+
+
+class Later(enum.Enum):
+    """What put_now() and take_now() give when they cannot answer at once."""
+
+    LATER = "later"
+
+
+LATER: Final = Later.LATER
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +283,29 @@ class Backend(abc.ABC):
         A `holder` is as for put().
         """
         raise NotImplementedError("Backend.take")
+
+    def put_now(
+        self,
+        queue: str,
+        message: Message,
+        sync: Sync,
+        unique: bool,
+        limits: Limits,
+        fanout: Fanout | None,
+        holder: Holder,
+    ) -> Put | Later:
+        """put(), answered at once, its answer held by `holder`; LATER if it cannot be.
+
+        The caller then awaits put(). Asked only of backends that answer held
+        (answers_held), on the path of every set: a plain call costs less there
+        than a coroutine to make, run and end.
+        """
+        return LATER
+
+    def take_now(self, queue: str, sync: Sync, holder: Holder) -> Message | Later | None:
+        """take(), answered at once, its answer held by `holder`; LATER if it cannot be
+        (as put_now())."""
+        return LATER
 
     @abc.abstractmethod
     async def reserve(self, queue: str, *, lease: float, sync: Sync) -> Message | None:

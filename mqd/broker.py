@@ -29,6 +29,7 @@ from typing import Any, Final, TypeVar, cast
 
 from mqd import protocol, stats
 from mqd.backend import (
+    LATER,
     NO_LIMITS,
     PUT_STORED,
     Backend,
@@ -193,6 +194,8 @@ class Broker:
         self._loops: list[asyncio.Task[None]] = []  # periodic work, cancelled at stop
         self._pending_flush: asyncio.TimerHandle | None = None
         self._fanout = self._child_limits  # one bound method, not one per set
+        # Whether a held set or get is asked of put_now() or take_now() first.
+        self._ask_now = backend.answers_held
         # Whether commands stamp QueueState.used: only idle expiry reads it,
         # and a clock read per command is a measurable part of its cost.
         self._stamp = config.idle_expiry_used
@@ -291,15 +294,23 @@ class Broker:
         if expires is None:
             return Put.STORED  # already expired: stored as nothing, as memcached does
         message = Message(command.body, command.flags, expires, now)
-        result = await self.backend.put(
-            queue,
-            message,
-            sync=state.sync,
-            unique=unique,
-            limits=state.limits,
-            fanout=self._fanout,
-            holder=holder,
+        result = (
+            self.backend.put_now(
+                queue, message, state.sync, unique, state.limits, self._fanout, holder
+            )
+            if holder is not None and self._ask_now
+            else LATER
         )
+        if result is LATER:
+            result = await self.backend.put(
+                queue,
+                message,
+                sync=state.sync,
+                unique=unique,
+                limits=state.limits,
+                fanout=self._fanout,
+                holder=holder,
+            )
         if result is PUT_STORED:
             state.enqueued += 1
             if state.waiters:
@@ -428,7 +439,13 @@ class Broker:
         if self._stamp:
             state.used = time.monotonic()
         while True:
-            message = await self.backend.take(queue, sync=state.sync, holder=holder)
+            message = (
+                self.backend.take_now(queue, state.sync, holder)
+                if holder is not None and self._ask_now
+                else LATER
+            )
+            if message is LATER:
+                message = await self.backend.take(queue, sync=state.sync, holder=holder)
             if message is None:
                 if "+" in queue:
                     # A fanout child comes into being the first time it is named.

@@ -21,11 +21,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mqd.backend import (
+    LATER,
     NO_LIMITS,
     Backend,
     Capability,
     Fanout,
     Holder,
+    Later,
     Limits,
     Message,
     Put,
@@ -124,10 +126,10 @@ class _BdbBackend(Backend):
         return future
 
     def _now(self, op: int, queue: str, arg: Any, sync: Sync, holder: Holder) -> Any:
-        """Run a job at once, its reply held (Worker.run_now); jobs.LATER if it can't be."""
+        """Run a job at once, its reply held (Worker.run_now); LATER if it can't be."""
         worker = self._worker
         if worker is None or self._outbox:  # jobs made before it go first
-            return jobs.LATER
+            return LATER
         return worker.run_now((op, queue, arg, sync, None), holder)
 
     def _send(self) -> None:
@@ -169,6 +171,15 @@ class _BdbBackend(Backend):
 
     # -- the interface ---------------------------------------------------------
 
+    def _put_arg(
+        self, queue: str, message: Message, unique: bool, limits: Limits, fanout: Fanout | None
+    ) -> tuple[Message, bool, Limits, dict[str, Limits] | None]:
+        children = None
+        if fanout is not None and queue in self._children:
+            # `fanout` reads the daemon's settings: call it here, on the loop.
+            children = {child: fanout(child) for child in self._children[queue]}
+        return (message, unique, limits, children)
+
     async def put(
         self,
         queue: str,
@@ -180,24 +191,38 @@ class _BdbBackend(Backend):
         fanout: Fanout | None = None,
         holder: Holder | None = None,
     ) -> Put:
-        children = None
-        if fanout is not None and queue in self._children:
-            # `fanout` reads the daemon's settings: call it here, on the loop.
-            children = {child: fanout(child) for child in self._children[queue]}
-        arg = (message, unique, limits, children)
+        arg = self._put_arg(queue, message, unique, limits, fanout)
         if holder is not None:
-            now: Put = self._now(jobs.PUT, queue, arg, sync, holder)
-            if now is not jobs.LATER:
+            now: Put | Later = self._now(jobs.PUT, queue, arg, sync, holder)
+            if now is not LATER:
                 return now
         result: Put = await self._call(jobs.PUT, queue, arg, sync)
         return result
 
+    def put_now(
+        self,
+        queue: str,
+        message: Message,
+        sync: Sync,
+        unique: bool,
+        limits: Limits,
+        fanout: Fanout | None,
+        holder: Holder,
+    ) -> Put | Later:
+        arg = self._put_arg(queue, message, unique, limits, fanout)
+        result: Put | Later = self._now(jobs.PUT, queue, arg, sync, holder)
+        return result
+
     async def take(self, queue: str, *, sync: Sync, holder: Holder | None = None) -> Message | None:
         if holder is not None:
-            now: Message | None = self._now(jobs.TAKE, queue, None, sync, holder)
-            if now is not jobs.LATER:
+            now = self.take_now(queue, sync, holder)
+            if now is not LATER:
                 return now
         result: Message | None = await self._call(jobs.TAKE, queue, None, sync)
+        return result
+
+    def take_now(self, queue: str, sync: Sync, holder: Holder) -> Message | Later | None:
+        result: Message | Later | None = self._now(jobs.TAKE, queue, None, sync, holder)
         return result
 
     async def reserve(self, queue: str, *, lease: float, sync: Sync) -> Message | None:

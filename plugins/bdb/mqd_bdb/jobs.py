@@ -66,10 +66,6 @@ Job = tuple[int, str, Any, Sync | None, "asyncio.Future[Any] | None"]
 #: (job, error or None, value): what the worker reports for each job.
 Result = tuple[Job, BaseException | None, Any]
 
-#: What a job run on the event loop gives when it has to go to the worker thread.
-LATER: Any = object()
-
-
 #: mqd.backend.NO_LIMITS, held here as a Final: compiled, a static, where the
 #: imported name is a dictionary lookup.
 UNBOUNDED: Final = NO_LIMITS

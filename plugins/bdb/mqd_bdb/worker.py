@@ -51,7 +51,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from mqd.backend import Holder, Message, Pending, QueueSize, Sync
+from mqd.backend import LATER, Holder, Message, Pending, QueueSize, Sync
 from mqd_bdb import jobs
 from mqd_bdb.errors import storage_error
 from mqd_bdb.logsync import UNSUPPORTED, LogSync
@@ -226,7 +226,7 @@ class Worker:
         self.deliver(results, published)
 
     def run_now(self, job: jobs.Job, holder: Holder) -> Any:
-        """Run a quick job here, in this turn's round: its value, or jobs.LATER if it can't.
+        """Run a quick job here, in this turn's round: its value, or LATER if it can't.
 
         A job that fails raises its StorageError, and voids the round. (The
         path of every held set and get: _run_in without a result to keep.)
@@ -235,9 +235,9 @@ class Worker:
         if r is None:
             r = self._here((job,))
             if r is None:
-                return jobs.LATER
+                return LATER
         elif r.error is not None or self._outstanding or not self.store.quick(job):
-            return jobs.LATER
+            return LATER
         if holder is not r.held:
             holder.hold(r.pending)
             r.held = holder

@@ -14,7 +14,7 @@ from bdb_helpers import ALWAYS, NAMES, drain, make, put, session
 from berkeleydb import db
 from mqd_bdb.backend import _BdbBackend
 
-from mqd.backend import Message, Pending, Put, Sync
+from mqd.backend import NO_LIMITS, Message, Pending, Put, Sync
 from mqd.errors import StorageError
 
 
@@ -175,7 +175,15 @@ def test_held_answers_come_at_once_and_are_released_after_their_sync(
         assert b.worker.rounds >= 1
         assert (b.worker.aio_flushes > 0) == (where == "aio")
         assert (b.worker.loop_flushes > 0) == (where == "on-loop")
-        assert [m.body for m in await drain(b, "q")] == [b"second"]
+        # The same without a coroutine each (the broker's path of held sets and gets).
+        holder = Holder(b)
+        now = b.take_now("q", ALWAYS, holder)
+        assert isinstance(now, Message) and now.body == b"second"
+        third = Message(b"third")
+        assert b.put_now("q", third, ALWAYS, False, NO_LIMITS, None, holder) is Put.STORED
+        assert len(holder.pendings) == 1 and not holder.ended
+        assert await holder.released() is None
+        assert [m.body for m in await drain(b, "q")] == [b"third"]
 
     sync_session(name, tmp_path, where, body)
 
