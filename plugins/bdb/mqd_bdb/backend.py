@@ -191,11 +191,11 @@ class _BdbBackend(Backend):
         fanout: Fanout | None = None,
         holder: Holder | None = None,
     ) -> Put:
-        arg = self._put_arg(queue, message, unique, limits, fanout)
         if holder is not None:
-            now: Put | Later = self._now(jobs.PUT, queue, arg, sync, holder)
+            now = self.put_now(queue, message, sync, unique, limits, fanout, holder)
             if now is not LATER:
                 return now
+        arg = self._put_arg(queue, message, unique, limits, fanout)
         result: Put = await self._call(jobs.PUT, queue, arg, sync)
         return result
 
