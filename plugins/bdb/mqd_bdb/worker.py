@@ -401,11 +401,15 @@ class Worker:
         self._note(error is None, False)
         self._syncing = self._seq > done
         if self._end_due and not self._syncing:
-            # The open round ends with this turn of the loop, not here: what
-            # the turn still reads joins it, to be answered after the next
-            # sync rather than the one after, and the syncs are fewer.
+            # The open round ends with the loop's next turn, not here: what
+            # this turn still reads joins it, and so does what the next one
+            # reads, where the clients just answered send their next command
+            # (one command per round trip, they send it at once). All of it
+            # is answered after the next sync rather than the one after, and
+            # the syncs are fewer and larger.
             self._end_due = False
-            self.loop.call_soon(self._end_round)
+            loop = self.loop
+            loop.call_soon(loop.call_soon, self._end_round)
 
     def _answer(
         self,
