@@ -95,11 +95,16 @@ class LogSync:
 
         Until the next file exists, that is the one aimed at: whether it does
         is a stat, far cheaper than log_stat() every round, which is asked
-        only then (and the first time) which file the log is in.
+        only then (and the first time) which file the log is in: its
+        `cur_file`, where records are being written. Not `disk_file`: that is
+        where Berkeley DB last synced the log itself, and as commits do not
+        sync, it stays in the old file after a switch until Berkeley DB next
+        syncs for reasons of its own; syncing that file would leave the
+        rounds written since the switch unsynced.
         """
         if self._fd >= 0 and not os.access(self._next, os.F_OK):
             return
-        number = env.log_stat()["disk_file"]
+        number = env.log_stat()["cur_file"]
         if number == self._file:
             return
         fd = os.open(env.log_file((number, 0)), os.O_RDONLY | os.O_CLOEXEC)
