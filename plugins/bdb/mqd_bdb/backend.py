@@ -171,15 +171,6 @@ class _BdbBackend(Backend):
 
     # -- the interface ---------------------------------------------------------
 
-    def _put_arg(
-        self, queue: str, message: Message, unique: bool, limits: Limits, fanout: Fanout | None
-    ) -> tuple[Message, bool, Limits, dict[str, Limits] | None]:
-        children = None
-        if fanout is not None and queue in self._children:
-            # `fanout` reads the daemon's settings: call it here, on the loop.
-            children = {child: fanout(child) for child in self._children[queue]}
-        return (message, unique, limits, children)
-
     async def put(
         self,
         queue: str,
@@ -195,8 +186,11 @@ class _BdbBackend(Backend):
             now = self.put_now(queue, message, sync, unique, limits, fanout, holder)
             if now is not LATER:
                 return now
-        arg = self._put_arg(queue, message, unique, limits, fanout)
-        result: Put = await self._call(jobs.PUT, queue, arg, sync)
+        children = None
+        if fanout is not None and queue in self._children:
+            # `fanout` reads the daemon's settings: call it here, on the loop.
+            children = {child: fanout(child) for child in self._children[queue]}
+        result: Put = await self._call(jobs.PUT, queue, (message, unique, limits, children), sync)
         return result
 
     def put_now(
@@ -209,7 +203,11 @@ class _BdbBackend(Backend):
         fanout: Fanout | None,
         holder: Holder,
     ) -> Put | Later:
-        arg = self._put_arg(queue, message, unique, limits, fanout)
+        if fanout is not None and queue in self._children:
+            # Copies to fanout children never run on the loop (Store.quick):
+            # put() asks `fanout` for their limits, once, for the worker thread.
+            return LATER
+        arg = (message, unique, limits, None)
         result: Put | Later = self._now(jobs.PUT, queue, arg, sync, holder)
         return result
 
