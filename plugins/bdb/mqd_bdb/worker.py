@@ -9,10 +9,11 @@ their replies once that sync has ended (or the error instead, if the round
 failed and was undone). With `aio_sync`, the kernel syncs the log file
 while the loop goes on (mqd_bdb.logsync), and the next round stays open
 until GATHER_TURNS turns of the loop after that sync ended are over: one
-commit and one sync for all that came meanwhile. That is a group commit with no future
-per job. Without Linux AIO, the loop syncs there and then where syncs take
-under `loop_sync_max_us`, as Redis does; otherwise the sync thread syncs
-while the loop goes on, the next round again staying open until it is done.
+commit and one sync for all that came meanwhile. That is a group commit
+with no future per job. Without Linux AIO, the loop syncs there and then
+where syncs take under `loop_sync_max_us`, as Redis does; otherwise the
+sync thread syncs while the loop goes on, the next round again staying open
+until it is done.
 Bundles of quick jobs from callers that await futures run in the same
 rounds, and are answered after the same syncs.
 
