@@ -111,6 +111,11 @@ class Connection(asyncio.Protocol):
         # (mqd.backend.Holder): from this index of `out` on, while `_held`.
         self._held: Pending | None = None
         self._held_from = 0
+        # A pipeline read in two parts can have its second part run in the
+        # next round while the first round syncs: that round's Pending, and
+        # the index of `out` its replies start at, wait here (rounds end in
+        # the order they ran, so these end after `_held`, in this order).
+        self._held_later: list[tuple[Pending, int]] = []
         self._closing = False  # closed, the held replies still to send
 
     # -- asyncio.Protocol ----------------------------------------------------
@@ -428,29 +433,55 @@ class Connection(asyncio.Protocol):
 
     def hold(self, pending: Pending) -> None:
         """The replies from here on wait for `pending` (mqd.backend.Holder)."""
-        if self._held is None:
+        held = self._held
+        if held is None:
             self._held = pending
             self._held_from = len(self.out)
             pending.add(self._released)
+        elif pending is not held:
+            later = self._held_later
+            if not later or later[-1][0] is not pending:
+                later.append((pending, len(self.out)))
+                pending.add(self._released)
 
     def _released(self, error: BaseException | None) -> None:
-        """What the held replies answer is durable; or it was undone, and each says why."""
-        self._held = None
+        """What the held replies answer is durable; or it was undone, and each says why.
+
+        Only the replies of the Pending that ended go: those of a later one
+        (self._held_later) wait for it in turn.
+        """
+        out = self.out
+        later = self._held_later
+        end = later[0][1] if later else len(out)
         if error is not None:
-            out = self.out
             if not isinstance(error, StorageError):
                 error = StorageError(str(error))
             line = protocol.error_line(error)
-            for index in range(self._held_from, len(out)):
+            for index in range(self._held_from, end):
                 out[index] = line
             self.server.storage_failed(
                 "storage error in %s: %s", self.server.config.data_dir, error
             )
+        transport = self.transport
+        if later:
+            self._held, start = later.pop(0)
+            self._held_from = start - end
+            self._held_later = [(pending, at - end) for pending, at in later]
+            sent = out[:end]
+            del out[:end]
+            self.out_bytes -= sum(map(len, sent))
+            if (
+                sent
+                and transport is not None
+                and (not self.closed or (self._closing and not transport.is_closing()))
+            ):
+                transport.write(b"".join(sent))
+            return
+        self._held = None
         if not self._closing:
             self.flush()
             return
         self._closing = False  # close() came while they were held: close now
-        transport = self.transport
         self._send(transport is not None and not transport.is_closing())
         if transport is not None:
             transport.close()

@@ -292,6 +292,7 @@ class Holding(MemoryBackend):
         self.wait = False
         self.seen: list[bytes] = []
         self.transport = FakeTransport()
+        self.manual = False  # rounds end when the test says (cut), not with the turn
         self._pending: Pending | None = None
 
     async def _hold(self, holder: Holder | None) -> None:
@@ -302,8 +303,15 @@ class Holding(MemoryBackend):
             return
         if self._pending is None:
             self._pending = Pending()
-            asyncio.get_running_loop().call_soon(self._release)
+            if not self.manual:
+                asyncio.get_running_loop().call_soon(self._release)
         holder.hold(self._pending)
+
+    def cut(self) -> Pending:
+        """End the open round, not yet released: as a round that syncs while the next runs."""
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        return pending
 
     def _release(self) -> None:
         pending, self._pending = self._pending, None
@@ -360,6 +368,41 @@ def test_held_replies_go_out_on_release_or_become_the_error() -> None:
         while not transport.closed:
             await asyncio.sleep(0)
         assert transport.written[sent:] == b"STORED\r\n"
+
+    asyncio.run(main())
+
+
+def test_a_pipeline_read_in_parts_is_answered_part_by_part_after_each_round() -> None:
+    # The second part of a pipeline can run in the next round while the
+    # first round syncs: its replies wait for that next round, not the first.
+    async def main() -> None:
+        backend, _, connection = await _holding_connection()
+        transport = backend.transport
+        backend.manual = True
+        connection.data_received(b"set q 0 0 1\r\na\r\nget q\r\n")
+        first = backend.cut()
+        connection.data_received(b"set q 0 0 1\r\nb\r\nset q 0 0 1\r\nc\r\n")
+        second = backend.cut()
+        connection.data_received(b"get q\r\n")
+        third = backend.cut()
+        assert transport.written == b""
+        first.end(None)
+        assert transport.written == b"STORED\r\nVALUE q 0 1\r\na\r\nEND\r\n"
+        second.end(StorageError("disk full"))
+        voided = b"SERVER_ERROR disk full\r\n" * 2
+        assert transport.written == b"STORED\r\nVALUE q 0 1\r\na\r\nEND\r\n" + voided
+        third.end(None)  # (this fake undid nothing: b is there)
+        assert transport.written.endswith(voided + b"VALUE q 0 1\r\nb\r\nEND\r\n")
+        # quit in the last part closes once every part before it is out.
+        sent = len(transport.written)
+        connection.data_received(b"set q 0 0 1\r\nd\r\n")
+        fourth = backend.cut()
+        connection.data_received(b"set q 0 0 1\r\ne\r\nquit\r\n")
+        fifth = backend.cut()
+        fourth.end(None)
+        assert transport.written[sent:] == b"STORED\r\n" and not transport.closed
+        fifth.end(None)
+        assert transport.written[sent:] == b"STORED\r\n" * 2 and transport.closed
 
     asyncio.run(main())
 

@@ -15,7 +15,10 @@ from berkeleydb import db
 from mqd_bdb.backend import _BdbBackend
 
 from mqd.backend import NO_LIMITS, Message, Pending, Put, Sync
+from mqd.config import Config
+from mqd.connection import Connection
 from mqd.errors import StorageError
+from mqd.server import Server
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -399,3 +402,57 @@ def test_close_answers_the_sync_in_flight(name: str, tmp_path: Path) -> None:
     assert recorder.ended == [None]
     bodies = sorted(m.body for m in session(name, tmp_path, lambda b: drain(b, "q")))
     assert bodies == [b"first", b"last"]
+
+
+class _CountingTransport:
+    """A transport that notes, with each write, how many syncs the worker had done by then."""
+
+    def __init__(self, backend: _BdbBackend) -> None:
+        self.backend = backend
+        self.writes: list[tuple[bytes, int]] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append((data, self.backend.worker.flushes))
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("where", ["aio", "on-thread"])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_pipeline_read_in_parts_hears_each_part_after_its_own_sync(
+    name: str, where: str, tmp_path: Path
+) -> None:
+    # While a round syncs, the next part of a connection's pipeline runs in
+    # the next round: its replies wait for that round's sync, not this one's.
+    async def main() -> None:
+        b = make(name, tmp_path, **SYNC_PATHS[where])
+        server = Server(Config(backend=name), b)
+        server.loop = asyncio.get_running_loop()
+        await server.broker.start()
+        try:
+            if where == "aio" and b.worker._aio is None:
+                pytest.skip("the kernel offers no Linux AIO here")
+            await put_and_settle(b, b"first")
+            connection = Connection(server)
+            transport = _CountingTransport(b)
+            connection.connection_made(transport)  # type: ignore[arg-type]
+            before = b.worker.flushes
+            connection.data_received(b"get q\r\nset q 0 0 1\r\na\r\n")
+            while not b.worker._syncing:  # its round ended: its sync is under way
+                await asyncio.sleep(0)
+            connection.data_received(b"set q 0 0 1\r\nb\r\nget q\r\n")
+            while len(b"".join(data for data, _ in transport.writes)) < 51:
+                await asyncio.sleep(0.001)
+            assert transport.writes == [
+                (b"VALUE q 0 5\r\nfirst\r\nEND\r\nSTORED\r\n", before + 1),
+                (b"STORED\r\nVALUE q 0 1\r\na\r\nEND\r\n", before + 2),
+            ]
+        finally:
+            server.broker.begin_stop()
+            await b.close()
+
+    asyncio.run(main())
