@@ -441,16 +441,23 @@ def test_a_pipeline_read_in_parts_hears_each_part_after_its_own_sync(
             transport = _CountingTransport(b)
             connection.connection_made(transport)  # type: ignore[arg-type]
             before = b.worker.flushes
-            connection.data_received(b"get q\r\nset q 0 0 1\r\na\r\n")
-            while not b.worker._syncing:  # its round ended: its sync is under way
-                await asyncio.sleep(0)
-            connection.data_received(b"set q 0 0 1\r\nb\r\nget q\r\n")
-            while len(b"".join(data for data, _ in transport.writes)) < 51:
-                await asyncio.sleep(0.001)
-            assert transport.writes == [
+            expected = [
                 (b"VALUE q 0 5\r\nfirst\r\nEND\r\nSTORED\r\n", before + 1),
                 (b"STORED\r\nVALUE q 0 1\r\na\r\nEND\r\n", before + 2),
             ]
+            connection.data_received(b"get q\r\nset q 0 0 1\r\na\r\n")
+            for _ in range(1000):  # its round ends within a turn or two
+                if b.worker._syncing:  # and its sync is under way
+                    break
+                await asyncio.sleep(0)
+            assert b.worker._syncing and not transport.writes
+            connection.data_received(b"set q 0 0 1\r\nb\r\nget q\r\n")
+            whole = sum(len(data) for data, _ in expected)
+            for _ in range(10_000):  # at most about 10 s
+                if sum(len(data) for data, _ in transport.writes) >= whole:
+                    break
+                await asyncio.sleep(0.001)
+            assert transport.writes == expected
         finally:
             server.broker.begin_stop()
             await b.close()
