@@ -463,41 +463,43 @@ class Connection(asyncio.Protocol):
                 "storage error in %s: %s", self.server.config.data_dir, error
             )
         transport = self.transport
+        closing = self._closing  # close() came while they were held
+        to_client = (
+            transport is not None and not transport.is_closing() if closing else not self.closed
+        )
         if later:
             self._held, start = later.pop(0)
             self._held_from = start - end
             self._held_later = [(pending, at - end) for pending, at in later]
-            sent = out[:end]
-            del out[:end]
-            self.out_bytes -= sum(map(len, sent))
-            if (
-                sent
-                and transport is not None
-                and (not self.closed or (self._closing and not transport.is_closing()))
-            ):
-                transport.write(b"".join(sent))
+            self._send(to_client, end)
             return
         self._held = None
-        if not self._closing:
-            self.flush()
-            return
-        self._closing = False  # close() came while they were held: close now
-        self._send(transport is not None and not transport.is_closing())
-        if transport is not None:
-            transport.close()
+        self._send(to_client)
+        if closing:
+            self._closing = False
+            if transport is not None:
+                transport.close()
 
     def flush(self) -> None:
         """Send every reply gathered so far (held replies once they are released)."""
         if self._held is None:
             self._send(not self.closed)
 
-    def _send(self, to_client: bool) -> None:
-        """Write `out` to the client if `to_client` (it is still there); either way, empty it."""
+    def _send(self, to_client: bool, end: int = -1) -> None:
+        """Write `out` (its first `end` replies) to the client if `to_client` (it is
+        still there); either way, drop them from `out`."""
         out = self.out
-        if out and to_client and self.transport is not None:
-            self.transport.write(b"".join(out))  # one reply: join returns it, no copy
-        out.clear()
-        self.out_bytes = 0
+        if end < 0 or end == len(out):
+            if out and to_client and self.transport is not None:
+                self.transport.write(b"".join(out))  # one reply: join returns it, no copy
+            out.clear()
+            self.out_bytes = 0
+            return
+        sent = out[:end]  # the rest waits for a later Pending (_released)
+        del out[:end]
+        self.out_bytes -= sum(map(len, sent))
+        if sent and to_client and self.transport is not None:
+            self.transport.write(b"".join(sent))
 
     async def _retrieve_in_pieces(self, command: Retrieve) -> bytes:
         """A get of many keys that take or look without waiting, answered GET_PIECE keys at a time.
