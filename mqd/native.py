@@ -83,7 +83,8 @@ class Native:
     ) -> None:
         self.package = package  # the import name, e.g. "mqd_bdb"
         self.directory = directory  # the package's sources
-        self.modules = modules  # which of them to compile, without ".py"
+        # Which of them to compile, dotted below the package ("backends.memory").
+        self.modules = modules
         self.relies_on = relies_on  # other packages whose types the modules use
         self.build_dir = directory / "_native" / sys.implementation.cache_tag
         # What activate() found, for `mqd version` and the tests.
@@ -130,6 +131,11 @@ class Native:
         self.compiled = tuple(str(m) for m in modules)
         self.state = f"compiled with mypyc: {', '.join(self.compiled)}"
 
+    def activate_subpackage(self, name: str, package_path: list[str]) -> None:
+        """Put the build's part for subpackage `name` first on its __path__, if activated."""
+        if any(m.startswith(name + ".") for m in self.compiled):
+            package_path.insert(0, str(self.build_dir / self.package / name))
+
     def build(self, force: bool = False) -> str:
         """Compile the modules unless an up-to-date build is there; return what was done."""
         # Imported here: every start of mqd imports this module, few of them build.
@@ -155,7 +161,7 @@ class Native:
                     work / root.name,
                     ignore=shutil.ignore_patterns("_native", "__pycache__", "*.so", "*.egg-info"),
                 )
-            sources = [f"{self.package}/{m}.py" for m in self.modules]
+            sources = [f"{self.package}/{m.replace('.', '/')}.py" for m in self.modules]
             run = subprocess.run(
                 [sys.executable, "-c", _SETUP, f"{self.package}.native", *sources],
                 cwd=work,
@@ -173,8 +179,10 @@ class Native:
             staging = self.build_dir.with_name(self.build_dir.name + ".new")
             shutil.rmtree(staging, ignore_errors=True)
             (staging / self.package).mkdir(parents=True)
-            for so in (work / self.package).glob("*.so"):
-                shutil.copy2(so, staging / self.package / so.name)
+            for so in (work / self.package).rglob("*.so"):
+                target = staging / self.package / so.relative_to(work / self.package)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(so, target)
             (staging / MANIFEST).write_text(json.dumps(manifest))
         old = self.build_dir.with_name(self.build_dir.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -186,13 +194,14 @@ class Native:
 
 
 #: mqd's own hot modules, on every command's path: the memcached parser and
-#: reply rendering, the connection, the broker, the message and what they share. Not
-#: mqd.backend: a build takes another package's classes for interpreted ones,
-#: so a compiled plugin's backend can only subclass an interpreted Backend.
+#: reply rendering, the connection, the broker, the message and what they share,
+#: and the memory backend. Not mqd.backend: a build takes another package's
+#: classes for interpreted ones, so a compiled plugin's backend can only
+#: subclass an interpreted Backend.
 MQD = Native(
     "mqd",
     Path(__file__).resolve().parent,
-    ("broker", "connection", "eager", "message", "protocol", "stats"),
+    ("backends.memory", "broker", "connection", "eager", "message", "protocol", "stats"),
 )
 
 

@@ -18,6 +18,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import ClassVar
 
+from mypy_extensions import mypyc_attr
+
 from mqd.backend import (
     NO_LIMITS,
     PUT_STORED,
@@ -202,6 +204,8 @@ class _Store:
 _SHARED: dict[str, _Store] = {}
 
 
+# Compiled (mqd/native.py), yet tests subclass it to change what a backend can do.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class MemoryBackend(Backend):
     """Queues in process memory. `sync` has no meaning here and is ignored."""
 

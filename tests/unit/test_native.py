@@ -16,8 +16,8 @@ import pytest
 
 from mqd import native
 
-# A module of each build, and the build itself.
-MODULES = {"mqd.protocol": "mqd", "mqd_bdb.worker": "mqd_bdb"}
+# A module of each build (one in a subpackage), and the build itself.
+MODULES = {"mqd.protocol": "mqd", "mqd.backends.memory": "mqd", "mqd_bdb.worker": "mqd_bdb"}
 PROBE = """\
 import importlib, sys
 from mqd import native
