@@ -5,11 +5,20 @@ A batch *touches* a queue before changing it (a snapshot to restore should
 the transaction abort) and at its end writes the record of every touched
 queue once, in the batch's transaction, so after a crash counts and next
 offsets match the messages exactly and offsets are never reused.
+
+The queues changed most recently keep their counts in one record instead,
+CAT_RECENT, which a batch rewrites whole: under a steady load, a batch that
+changes a dozen queues makes one put where it would make one per queue (each
+a descent of the tree and a log record of its own). A queue's own record,
+written when it joins the recent ones and when it leaves them, names it for
+the recent record's entries (by qid) and holds its counts when it is not
+there.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
 
@@ -25,6 +34,7 @@ from mqd_bdb.records import (
     CAT_NEXT_QID,
     CAT_PURGE,
     CAT_QUEUE,
+    CAT_RECENT,
     CAT_RESERVED,
     CREATED,
     FORMAT_VERSION,
@@ -35,10 +45,16 @@ from mqd_bdb.records import (
     REC_CREATED,
     U32,
     UNIQ,
+    UPGRADED,
     delete_range,
 )
 
 CHUNK: Final = 500  # records per transaction when purging a queue or counting its bodies
+#: Queues the recent record holds, at most: 18 METAs are 954 bytes, under the
+#: size at which a B-tree of 4 KiB pages moves a record to overflow pages.
+RECENT_MAX: Final = 18
+#: A queue unchanged this long gives its place among the recent ones to another.
+RECENT_IDLE_S: Final = 1.0
 
 
 class QueueState:
@@ -100,6 +116,14 @@ class QueueState:
 
     def size(self) -> QueueSize:
         return QueueSize(self.items, self.bytes, self.open, self.head_created)
+
+    def set_meta(self, raw: bytes, at: int = 0) -> None:
+        """Take the counts of the META at `raw[at:]` (its qid is this queue's)."""
+        _, self.next_offset, self.items, self.bytes, self.open, head, changed, flags = (
+            META.unpack_from(raw, at)
+        )
+        self.head_created, self.changed = head, changed
+        self.indexed = bool(flags & INDEXED)
 
     def meta(self) -> bytes:
         flags = INDEXED if self.indexed else 0
@@ -197,6 +221,13 @@ class Catalog(Environment):
         self.now = 0.0  # the time of the running batch
         self._touched: dict[str, Snapshot] = {}
         self._new_purges: list[bytes] = []
+        self._recent: dict[str, QueueState] = {}  # queues whose counts CAT_RECENT holds
+        # _recent as the running batch found it, once the batch changes which
+        # queues it holds (None: it has not); whether the batch removed one;
+        # whether it found none idle (none can become so while it runs).
+        self._recent_before: dict[str, QueueState] | None = None
+        self._recent_dirty = False
+        self._recent_busy = False
 
     def sizes(self) -> dict[str, QueueSize]:
         return {name: q.size() for name, q in self.queues.items()}
@@ -222,11 +253,8 @@ class Catalog(Environment):
             rec = cur.set_range(CAT_QUEUE)
             while rec is not None and rec[0][:1] == CAT_QUEUE:
                 raw = rec[0][1:]
-                qid, next_offset, items, nbytes, nopen, head, changed, flags = META.unpack(rec[1])
-                q = self._make_queue(decode_name(raw), raw, qid)
-                q.next_offset, q.items, q.bytes, q.open = next_offset, items, nbytes, nopen
-                q.head_created, q.changed = head, changed
-                q.indexed = bool(flags & INDEXED)
+                q = self._make_queue(decode_name(raw), raw, QID.unpack_from(rec[1])[0])
+                q.set_meta(rec[1])
                 queues[q.name] = q
                 rec = cur.next()
             rec = cur.set_range(CAT_PURGE)
@@ -243,13 +271,29 @@ class Catalog(Environment):
         for name, q in queues.items():
             self._register(name, q)
         self.purges = purges
+        self._load_recent(queues.values())
+
+    def _load_recent(self, queues: Iterable[QueueState]) -> None:
+        """Take the counts the recent record holds over those of the queues' own records."""
+        self._recent, self._recent_before, self._recent_dirty = {}, None, False
+        raw = self.cat.get(CAT_RECENT)
+        if not raw:
+            return
+        by_qid = {q.qid: q for q in queues}
+        for at in range(0, len(raw), META.size):
+            # A deleted queue leaves the recent record in the transaction that
+            # deletes its own record, so every entry names a queue loaded above.
+            q = by_qid[QID.unpack_from(raw, at)[0]]
+            q.set_meta(raw, at)
+            self._recent[q.name] = q
 
     def _check_format(self) -> None:
         """Refuse records of another format; mark a new catalog with this one."""
         raw = self.cat.get(CAT_FORMAT)
-        if raw is not None and U32.unpack(raw)[0] == FORMAT_VERSION:
+        version = None if raw is None else U32.unpack(raw)[0]
+        if version == FORMAT_VERSION:
             return
-        if raw is None and self._is_empty():
+        if version in UPGRADED or (raw is None and self._is_empty()):
             txn = self.env.txn_begin()
             try:
                 self.cat.put(CAT_FORMAT, U32.pack(FORMAT_VERSION), txn)
@@ -258,10 +302,11 @@ class Catalog(Environment):
                 txn.abort()
                 raise
             return
-        found = "an older" if raw is None else f"version {U32.unpack(raw)[0]} of the"
+        found = "an older" if version is None else f"version {version} of the"
+        readable = " and ".join(map(str, sorted({*UPGRADED, FORMAT_VERSION})))
         raise StorageError(
             f"data directory {self.data_dir} holds {found} record format; this version "
-            f"reads version {FORMAT_VERSION} only: drain it with the mqd version that wrote "
+            f"reads versions {readable} only: drain it with the mqd version that wrote "
             "it, or move it away (see plugins/bdb/README.md, Files)"
         )
 
@@ -296,6 +341,7 @@ class Catalog(Environment):
         touched: dict[str, Snapshot] = {}
         self._touched = touched
         self._new_purges = []
+        self._recent_before, self._recent_dirty, self._recent_busy = None, False, False
         return touched
 
     def _touch(self, q: QueueState) -> None:
@@ -334,21 +380,72 @@ class Catalog(Environment):
                 del self.children[parent]
 
     def _write_meta(self, txn: Any, next_qid: int) -> None:
-        """Save every touched queue's record (and the next queue id if it moved)."""
-        cat = self.cat
+        """Save every touched queue's counts (and the next queue id if it moved)."""
+        recent = self._recent
+        rewrite = self._recent_dirty
         for name in self._touched:
             q = self.queues.get(name)
             if q is None:
                 continue
             if q.head_dirty:
                 q.set_head(self._head(txn, q) if q.items else None)
-            cat.put(CAT_QUEUE + q.raw, q.meta(), txn)
+            if recent.get(name) is q or self._join_recent(txn, q):
+                rewrite = True
+            else:
+                self._write_own(txn, q)
             self._used(q)
+        if rewrite:
+            self._write_recent(txn)
         if self.next_qid != next_qid:
-            cat.put(CAT_NEXT_QID, QID.pack(self.next_qid), txn)
+            self.cat.put(CAT_NEXT_QID, QID.pack(self.next_qid), txn)
+
+    def _save_queue(self, txn: Any, q: QueueState) -> None:
+        """Save one queue's counts, in a transaction of their own, outside a batch."""
+        if self._recent.get(q.name) is q:
+            self._write_recent(txn)
+        else:
+            self._write_own(txn, q)
+
+    def _join_recent(self, txn: Any, q: QueueState) -> bool:
+        """Give `q` a place among the recent queues, if one is free or idle."""
+        recent = self._recent
+        oldest = None
+        if len(recent) >= RECENT_MAX:
+            if self._recent_busy:
+                return False
+            oldest = min(recent.values(), key=_changed)
+            if oldest.changed > self.now - RECENT_IDLE_S:
+                self._recent_busy = True
+                return False
+        self._keep_recent()
+        if oldest is not None:
+            del recent[oldest.name]
+            self._write_own(txn, oldest)  # its counts, now only there
+        recent[q.name] = q
+        self._write_own(txn, q)  # for a new queue, the record that names it
+        return True
+
+    def _leave_recent(self, q: QueueState) -> None:
+        """`q` is being deleted: out of the recent record, which the batch rewrites."""
+        if self._recent.get(q.name) is q:
+            self._keep_recent()
+            del self._recent[q.name]
+            self._recent_dirty = True
+
+    def _keep_recent(self) -> None:
+        """Which queues are recent is about to change: keep the batch's starting set."""
+        if self._recent_before is None:
+            self._recent_before = dict(self._recent)
+
+    def _write_own(self, txn: Any, q: QueueState) -> None:
+        self.cat.put(CAT_QUEUE + q.raw, q.meta(), txn)
+
+    def _write_recent(self, txn: Any) -> None:
+        self.cat.put(CAT_RECENT, b"".join([q.meta() for q in self._recent.values()]), txn)
 
     def _committed(self, published: dict[str, QueueSize | None]) -> None:
         """The batch's transaction committed: publish the gauges it changed."""
+        self._recent_before, self._recent_dirty = None, False
         self.purges.extend(self._new_purges)
         for name in self._touched:
             q = self.queues.get(name)
@@ -367,8 +464,12 @@ class Catalog(Environment):
                 self._unregister(name)
         self.next_qid = next_qid
         self._touched = {}
+        if self._recent_before is not None:
+            self._recent = self._recent_before
+        self._recent_before, self._recent_dirty = None, False
 
     def _drop_catalog_entry(self, txn: Any, q: QueueState) -> None:
+        self._leave_recent(q)
         with contextlib.suppress(db.DBNotFoundError):  # created in this very batch
             self.cat.delete(CAT_QUEUE + q.raw, txn)
 
@@ -410,3 +511,7 @@ class Catalog(Environment):
     def _schedule_purge(self, txn: Any, q: QueueState) -> None:
         self.cat.put(CAT_PURGE + q.qkey, b"", txn)
         self._new_purges.append(q.qkey)
+
+
+def _changed(q: QueueState) -> float:
+    return q.changed

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from mqd_bdb.catalog import CHUNK, QueueState
 from mqd_bdb.queue_ops import QueueOps
-from mqd_bdb.records import CAT_QUEUE, U32, body_of, delete_range, digest
+from mqd_bdb.records import U32, body_of, delete_range, digest
 from mqd_bdb.store import NeedsIndex
 
 INLINE_INDEX: Final = 1000  # a queue this small has its bodies counted inside the batch
@@ -86,13 +86,10 @@ class BodyIndex(QueueOps):
             after = self._chunk_txn(self._count_chunk, q, after, CHUNK)
         q.indexed = True
         try:
-            self._chunk_txn(self._save_meta, q)
+            self._chunk_txn(self._save_queue, q)
         except BaseException:
             q.indexed = False
             raise
-
-    def _save_meta(self, txn: Any, q: QueueState) -> None:
-        self.cat.put(CAT_QUEUE + q.raw, q.meta(), txn)
 
     def _chunk_txn(self, work: Callable[..., Any], *args: Any) -> Any:
         """`work(txn, *args)` in a transaction of its own."""

@@ -7,6 +7,8 @@ Every layout keeps a *catalog* of B-tree records, keyed by a one-byte kind:
     CAT_PURGE    + qid              -> a deleted queue whose records remain
     CAT_NEXT_QID                    -> the next queue id
     CAT_FORMAT                      -> FORMAT_VERSION of the records below
+    CAT_RECENT                      -> META of each recently changed queue, newer
+                                       than the one under its CAT_QUEUE key
 
 The qid is given once, when a queue is created, and never again: it is the
 queue's *incarnation* in a Receipt, so a receipt from before a delete matches
@@ -35,11 +37,15 @@ CAT_RESERVED: Final = b"\x01"
 CAT_PURGE: Final = b"\x02"
 CAT_NEXT_QID: Final = b"\x03"
 CAT_FORMAT: Final = b"\x04"
+CAT_RECENT: Final = b"\x05"
 MSG: Final = b"\x10"  # + qid + ...: messages, in the single-file layouts
 UNIQ: Final = b"\x11"  # + qid + digest: copies of a body, in bdb-single
 
 #: Version 1 (no CAT_FORMAT record) had no leases, origins or offsets in FIFO records.
-FORMAT_VERSION: Final = 2
+FORMAT_VERSION: Final = 3
+#: Versions read as this one, and marked with it when opened: version 2 had no
+#: CAT_RECENT record, which reads the same as an empty one.
+UPGRADED: Final = frozenset({2})
 
 QID: Final = struct.Struct(">I")
 U32: Final = struct.Struct(">I")

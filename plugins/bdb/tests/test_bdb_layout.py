@@ -61,8 +61,9 @@ def test_single_file_delete_purges_records(name: str, tmp_path: Path) -> None:
         handle.close()
     finally:
         env.close()
-    # Left: the format, two catalog entries, the next queue id, and two messages.
-    assert records == 6
+    # Left: the format, two catalog entries, the recent queues' counts, the
+    # next queue id, and two messages.
+    assert records == 7
 
 
 def test_bdb_keeps_a_bounded_number_of_files_open(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from berkeleydb import db
 from mqd_bdb.backend import _BdbBackend
 from mqd_bdb.environment import ENV_FLAGS
 from mqd_bdb.names import encode_name, file_stem
-from mqd_bdb.records import CAT_QUEUE
+from mqd_bdb.records import CAT_FORMAT, CAT_QUEUE, CAT_RECENT, U32
 
 from mqd.backend import Limits, Message, Put
 from mqd.errors import StorageError
@@ -162,6 +162,38 @@ def test_data_of_the_previous_format_is_refused(name: str, tmp_path: Path) -> No
     asyncio.run(main())
     # Nothing was changed: it is refused again, and the lock was let go.
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_data_of_format_2_is_read_and_marked_3(name: str, tmp_path: Path) -> None:
+    async def first(b: _BdbBackend) -> None:
+        for body in (b"one", b"two"):
+            await put(b, "q", body)
+
+    session(name, tmp_path, first)
+    # Format 2 kept every queue's counts in its own record, and had no recent one.
+    catalog = "catalog.db" if name == "bdb" else "queues.db"
+    env = db.DBEnv()
+    env.open(str(tmp_path), ENV_FLAGS)
+    try:
+        handle = db.DB(env)
+        handle.open(catalog, None, db.DB_BTREE, db.DB_AUTO_COMMIT)
+        assert U32.unpack(handle.get(CAT_FORMAT))[0] == 3
+        handle.put(CAT_QUEUE + b"q", handle.get(CAT_RECENT), None, db.DB_AUTO_COMMIT)
+        handle.delete(CAT_RECENT, None, db.DB_AUTO_COMMIT)
+        handle.put(CAT_FORMAT, U32.pack(2), None, db.DB_AUTO_COMMIT)
+        handle.close()
+    finally:
+        env.close()
+
+    async def second(b: _BdbBackend) -> None:
+        size = await b.size("q")
+        assert size is not None and (size.items, size.bytes) == (2, 6)
+        if name != "bdb-random":
+            assert await put(b, "q", b"three") == 2
+        assert U32.unpack(b.worker.store.cat.get(CAT_FORMAT))[0] == 3
+
+    session(name, tmp_path, second)
 
 
 def test_stale_receipts_after_delete(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -12,9 +13,11 @@ from pathlib import Path
 
 import pytest
 from bdb_helpers import ALWAYS, FIFO_NAMES, NAMES, drain, put, return_own, session
+from mqd_bdb import jobs
 from mqd_bdb.backend import _BdbBackend
+from mqd_bdb.catalog import RECENT_IDLE_S, RECENT_MAX
 
-from mqd.backend import Capability, Receipt
+from mqd.backend import Capability, Limits, Message, Receipt
 from mqd.testing.conformance import no_dead_letters
 
 
@@ -65,6 +68,80 @@ def test_restart_keeps_counts_reservations_and_offsets(name: str, tmp_path: Path
         if Capability.FIFO in b.capabilities:
             # Returned messages come first, in their order.
             assert [m.offset for m in again[:4]] == sorted(reserved)
+
+    session(name, tmp_path, second)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_counts_of_more_queues_than_the_recent_record_holds(name: str, tmp_path: Path) -> None:
+    # Queues beyond RECENT_MAX keep their counts in their own records; one
+    # deleted leaves the recent record, one idle gives its place to another.
+    names = [f"q{i}" for i in range(RECENT_MAX + 6)]
+
+    def bodies(queue: str) -> list[bytes]:
+        return [b"%s-%d" % (queue.encode(), j) for j in range(int(queue[1:]) % 4 + 1)]
+
+    async def first(b: _BdbBackend) -> None:
+        for queue in names:
+            for body in bodies(queue):
+                await put(b, queue, body)
+        recent = b.worker.store._recent
+        assert list(recent) == names[:RECENT_MAX]
+        assert await b.take("q0", sync=ALWAYS) is not None
+        assert await b.take("q20", sync=ALWAYS) is not None
+        assert await b.delete("q1", sync=ALWAYS) is True
+        await asyncio.sleep(RECENT_IDLE_S + 0.2)
+        await put(b, "q0", b"q0-late")  # q0 is busy again: it keeps its place
+        await put(b, "late", b"one")  # into q1's place
+        await put(b, "later", b"two")  # into the place of q2, the longest idle
+        assert "q1" not in recent and "q2" not in recent
+        assert {"q0", "late", "later"} <= set(recent) and len(recent) == RECENT_MAX
+
+    session(name, tmp_path, first)
+    left = {queue: bodies(queue) for queue in names}
+    left["q0"] = [*left["q0"][1:], b"q0-late"]
+    left["q20"] = left["q20"][1:]
+    del left["q1"]
+    left.update(late=[b"one"], later=[b"two"])
+    puts = {queue: len(bodies(queue)) for queue in names}
+    puts.update(q0=puts["q0"] + 1, late=1, later=1)
+
+    async def second(b: _BdbBackend) -> None:
+        assert sorted(await b.queues()) == sorted(left)
+        for queue, waiting in left.items():
+            size = await b.size(queue)
+            assert size is not None, queue
+            assert (size.items, size.bytes) == (len(waiting), sum(map(len, waiting))), queue
+            if name != "bdb-random":  # offsets go on from the last put
+                assert await put(b, queue, b"next") == puts[queue], queue
+        assert await put(b, "q1", b"anew") == 0
+
+    session(name, tmp_path, second)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_failed_commit_leaves_the_recent_queues_as_they_were(name: str, tmp_path: Path) -> None:
+    async def first(b: _BdbBackend) -> None:
+        await put(b, "old", b"one")
+        store = b.worker.store
+        with b.worker.lock:
+            before = dict(store._recent)
+            txn = store.begin()
+            store.run_job(txn, jobs.PUT, "new", (Message(b"x"), False, Limits(), None))
+            store._end_run(txn)
+            store._write_meta(txn, store._opened[1])  # what commit() does first
+            assert set(store._recent) == {"old", "new"}
+            store.abort(txn)  # as if the commit had failed
+            assert store._recent == before
+        await put(b, "old", b"two")
+        assert await b.queues() == ["old"]
+
+    session(name, tmp_path, first)
+
+    async def second(b: _BdbBackend) -> None:
+        assert await b.queues() == ["old"]
+        size = await b.size("old")
+        assert size is not None and (size.items, size.bytes) == (2, 6)
 
     session(name, tmp_path, second)
 
