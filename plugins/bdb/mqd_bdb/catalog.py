@@ -53,7 +53,8 @@ CHUNK: Final = 500  # records per transaction when purging a queue or counting i
 #: Queues the recent record holds, at most: 18 METAs are 954 bytes, under the
 #: size at which a B-tree of 4 KiB pages moves a record to overflow pages.
 RECENT_MAX: Final = 18
-#: A queue unchanged this long gives its place among the recent ones to another.
+#: A queue no batch has touched for this long gives its place among the
+#: recent ones to another.
 RECENT_IDLE_S: Final = 1.0
 
 
@@ -79,6 +80,7 @@ class QueueState:
         "qkey",
         "raw",
         "stem",
+        "touched_at",
         "udb",
         "upre",
     )
@@ -95,6 +97,9 @@ class QueueState:
         # When a message was last stored or moved in or out, or the queue
         # made (Unix time): an idle queue expires after a while without.
         self.changed = 0.0
+        # When a batch last touched it, in this process: the recent record
+        # gives the place of the queue untouched longest to another.
+        self.touched_at = 0.0
         # The head is the queue's least key, waiting or reserved. Its key is
         # known once a batch has seen it (None: unknown or empty); head_dirty
         # asks the end of the batch to look it up.
@@ -348,6 +353,7 @@ class Catalog(Environment):
         """Remember `q` as it was before this batch changed it."""
         if q.name not in self._touched:
             self._touched[q.name] = (q, True, q.state())
+            q.touched_at = self.now
 
     def _create(self, name: str) -> QueueState:
         """A new, empty queue, registered by this batch's transaction."""
@@ -356,7 +362,7 @@ class Catalog(Environment):
         self.next_qid += 1
         if q.mdb is None:
             self._attach(q)
-        q.changed = self.now
+        q.changed = q.touched_at = self.now
         # A queue deleted earlier in this batch keeps its own snapshot.
         self._touched.setdefault(name, (q, False, ()))
         self._register(name, q)
@@ -413,8 +419,8 @@ class Catalog(Environment):
         if len(recent) >= RECENT_MAX:
             if self._recent_busy:
                 return False
-            oldest = min(recent.values(), key=_changed)
-            if oldest.changed > self.now - RECENT_IDLE_S:
+            oldest = min(recent.values(), key=_touched_at)
+            if oldest.touched_at > self.now - RECENT_IDLE_S:
                 self._recent_busy = True
                 return False
         self._keep_recent()
@@ -513,5 +519,5 @@ class Catalog(Environment):
         self._new_purges.append(q.qkey)
 
 
-def _changed(q: QueueState) -> float:
-    return q.changed
+def _touched_at(q: QueueState) -> float:
+    return q.touched_at

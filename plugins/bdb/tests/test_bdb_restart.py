@@ -75,7 +75,8 @@ def test_restart_keeps_counts_reservations_and_offsets(name: str, tmp_path: Path
 @pytest.mark.parametrize("name", NAMES)
 def test_counts_of_more_queues_than_the_recent_record_holds(name: str, tmp_path: Path) -> None:
     # Queues beyond RECENT_MAX keep their counts in their own records; one
-    # deleted leaves the recent record, one idle gives its place to another.
+    # deleted leaves the recent record, one idle gives its place to another,
+    # and one that is only read from is not idle.
     names = [f"q{i}" for i in range(RECENT_MAX + 6)]
 
     def bodies(queue: str) -> list[bytes]:
@@ -91,15 +92,17 @@ def test_counts_of_more_queues_than_the_recent_record_holds(name: str, tmp_path:
         assert await b.take("q20", sync=ALWAYS) is not None
         assert await b.delete("q1", sync=ALWAYS) is True
         await asyncio.sleep(RECENT_IDLE_S + 0.2)
-        await put(b, "q0", b"q0-late")  # q0 is busy again: it keeps its place
+        await put(b, "q0", b"q0-late")  # q0 and q2 are busy again: they keep their places
+        assert await b.take("q2", sync=ALWAYS) is not None
         await put(b, "late", b"one")  # into q1's place
-        await put(b, "later", b"two")  # into the place of q2, the longest idle
-        assert "q1" not in recent and "q2" not in recent
-        assert {"q0", "late", "later"} <= set(recent) and len(recent) == RECENT_MAX
+        await put(b, "later", b"two")  # into the place of q3, the longest idle
+        assert "q1" not in recent and "q3" not in recent
+        assert {"q0", "q2", "late", "later"} <= set(recent) and len(recent) == RECENT_MAX
 
     session(name, tmp_path, first)
     left = {queue: bodies(queue) for queue in names}
     left["q0"] = [*left["q0"][1:], b"q0-late"]
+    left["q2"] = left["q2"][1:]
     left["q20"] = left["q20"][1:]
     del left["q1"]
     left.update(late=[b"one"], later=[b"two"])
