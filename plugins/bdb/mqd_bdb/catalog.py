@@ -228,10 +228,9 @@ class Catalog(Environment):
         self._new_purges: list[bytes] = []
         self._recent: dict[str, QueueState] = {}  # queues whose counts CAT_RECENT holds
         # _recent as the running batch found it, once the batch changes which
-        # queues it holds (None: it has not); whether the batch removed one;
-        # whether it found none idle (none can become so while it runs).
+        # queues it holds (None: it has not: the record needs no rewrite for
+        # that), and whether it found none idle (none can become so while it runs).
         self._recent_before: dict[str, QueueState] | None = None
-        self._recent_dirty = False
         self._recent_busy = False
 
     def sizes(self) -> dict[str, QueueSize]:
@@ -280,7 +279,7 @@ class Catalog(Environment):
 
     def _load_recent(self, queues: Iterable[QueueState]) -> None:
         """Take the counts the recent record holds over those of the queues' own records."""
-        self._recent, self._recent_before, self._recent_dirty = {}, None, False
+        self._recent, self._recent_before = {}, None
         raw = self.cat.get(CAT_RECENT)
         if not raw:
             return
@@ -346,7 +345,7 @@ class Catalog(Environment):
         touched: dict[str, Snapshot] = {}
         self._touched = touched
         self._new_purges = []
-        self._recent_before, self._recent_dirty, self._recent_busy = None, False, False
+        self._recent_before, self._recent_busy = None, False
         return touched
 
     def _touch(self, q: QueueState) -> None:
@@ -388,7 +387,7 @@ class Catalog(Environment):
     def _write_meta(self, txn: Any, next_qid: int) -> None:
         """Save every touched queue's counts (and the next queue id if it moved)."""
         recent = self._recent
-        rewrite = self._recent_dirty
+        rewrite = self._recent_before is not None  # a deleted queue left it
         for name in self._touched:
             q = self.queues.get(name)
             if q is None:
@@ -436,7 +435,6 @@ class Catalog(Environment):
         if self._recent.get(q.name) is q:
             self._keep_recent()
             del self._recent[q.name]
-            self._recent_dirty = True
 
     def _keep_recent(self) -> None:
         """Which queues are recent is about to change: keep the batch's starting set."""
@@ -451,7 +449,7 @@ class Catalog(Environment):
 
     def _committed(self, published: dict[str, QueueSize | None]) -> None:
         """The batch's transaction committed: publish the gauges it changed."""
-        self._recent_before, self._recent_dirty = None, False
+        self._recent_before = None
         self.purges.extend(self._new_purges)
         for name in self._touched:
             q = self.queues.get(name)
@@ -472,7 +470,7 @@ class Catalog(Environment):
         self._touched = {}
         if self._recent_before is not None:
             self._recent = self._recent_before
-        self._recent_before, self._recent_dirty = None, False
+        self._recent_before = None
 
     def _drop_catalog_entry(self, txn: Any, q: QueueState) -> None:
         self._leave_recent(q)

@@ -123,6 +123,24 @@ def test_counts_of_more_queues_than_the_recent_record_holds(name: str, tmp_path:
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_a_queue_deleted_last_is_gone_after_a_restart(name: str, tmp_path: Path) -> None:
+    # The delete's own transaction takes it out of the recent record.
+    async def first(b: _BdbBackend) -> None:
+        await put(b, "kept", b"one")
+        await put(b, "gone", b"two")
+        assert await b.delete("gone", sync=ALWAYS) is True
+
+    session(name, tmp_path, first)
+
+    async def second(b: _BdbBackend) -> None:
+        assert await b.queues() == ["kept"]
+        size = await b.size("kept")
+        assert size is not None and (size.items, size.bytes) == (1, 3)
+
+    session(name, tmp_path, second)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_a_failed_commit_leaves_the_recent_queues_as_they_were(name: str, tmp_path: Path) -> None:
     async def first(b: _BdbBackend) -> None:
         await put(b, "old", b"one")
