@@ -191,6 +191,49 @@ def test_held_answers_come_at_once_and_are_released_after_their_sync(
     sync_session(name, tmp_path, where, body)
 
 
+@EACH_PATH
+@pytest.mark.parametrize("name", NAMES)
+def test_a_round_waits_for_the_connections_the_last_sync_answered(
+    name: str, where: str, tmp_path: Path
+) -> None:
+    # One command per round trip, the clients a sync answered each send their
+    # next command at once, some turns of the loop apart: the round the first
+    # of them opens waits for the rest, so one sync answers them all; and for
+    # at most about one sync's duration, should one not come back.
+    async def body(b: _BdbBackend) -> None:
+        def put_now(holder: Holder, body: bytes) -> None:
+            stored = b.put_now("q", Message(body), ALWAYS, False, NO_LIMITS, None, holder)
+            assert stored is Put.STORED
+
+        await put_and_settle(b, b"first")
+        # A sync that took half a second: long enough for this test's turns
+        # of the loop, short enough for the last wait, and under the on-loop
+        # path's loop_sync_max_us.
+        b.worker._sync_s = 0.5
+        early, late = Holder(b), Holder(b)
+        put_now(early, b"a1")
+        put_now(late, b"b1")
+        assert early.pendings == late.pendings  # one round
+        assert await early.released() is None and await late.released() is None
+        put_now(early, b"a2")
+        for _ in range(20):  # well beyond GATHER_TURNS
+            await asyncio.sleep(0)
+        assert not early.ended[1:]  # its round still waits for `late`
+        put_now(late, b"b2")
+        assert early.pendings[1] is late.pendings[1]
+        assert await early.released() is None and await late.released() is None
+        assert early.ended[1][1] == late.ended[1][1]  # released by the same sync
+        # `late` does not come back this time: the wait ends on its own.
+        put_now(early, b"a3")
+        assert await asyncio.wait_for(early.released(), 10) is None
+        assert len(late.pendings) == 2
+        bodies = [b"first", b"a1", b"b1", b"a2", b"b2", b"a3"]
+        # Sorted: bdb-random hands them out in any order.
+        assert sorted(m.body for m in await drain(b, "q")) == sorted(bodies)
+
+    sync_session(name, tmp_path, where, body)
+
+
 class _FailingOnce:
     """A Berkeley DB handle, but the next call of its `method` fails with EIO.
 
