@@ -435,7 +435,8 @@ class Worker:
         # up to one sync's duration: all of it is answered after the next
         # sync rather than the one after, and the syncs are fewer and larger.
         # Under 16 connections one command per round trip, rounds grew from
-        # 11.4 commands to 15.9, and did 7 to 20 % more (README, Performance).
+        # about 10 commands to 15, and did 10 to 25 % more (README,
+        # Performance).
         awaited = self._awaited = set(answered)
         self._awaited_until = time.monotonic() + self._sync_s
         open_round = self._loop_round
