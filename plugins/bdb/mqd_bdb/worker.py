@@ -11,7 +11,7 @@ while the loop goes on (mqd_bdb.logsync), and the next round stays open
 until GATHER_TURNS turns of the loop after that sync ended are over: one
 commit and one sync for all that came meanwhile, and longer while the
 connections that sync answered have not sent their next command (at most one
-sync's duration). That is a group commit with no future per job. Without
+sync's duration, and MAX_GATHER_S). That is a group commit with no future per job. Without
 Linux AIO, the loop syncs there and then where syncs take under
 `loop_sync_max_us`, as Redis does; otherwise the
 sync thread syncs while the loop goes on, the next round again staying open
@@ -65,7 +65,7 @@ log = logging.getLogger("mqd.bdb")
 STOP: Final = -1  # operation code of the job that closes the store and ends the thread
 CHECK_S: Final = 1.0  # how often the keeper looks at the cache and the log while changes come
 TRICKLE_PERCENT: Final = 20  # the keeper writes dirty pages out until this much is clean
-MAX_GATHER_S: Final = 0.002  # the longest a sync waits for more writers
+MAX_GATHER_S: Final = 0.002  # the longest a sync waits for more writers, or a round for clients
 MAX_BATCH_BYTES: Final = 8 << 20  # a batch of large messages ends after this many body bytes
 #: Turns of the loop a round left open during a sync stays open at least once
 #: it has ended, to take in the next command of the clients the sync
@@ -162,6 +162,9 @@ class Worker:
         # open round since, and until when a round waits for them.
         self._awaited: set[Holder] = set()
         self._awaited_until = 0.0
+        # Capped as the thread's wait for writers is: each turn of the wait
+        # polls the sockets, and a slow disk's sync takes milliseconds.
+        self._awaited_max_s = MAX_GATHER_S
         # The round numbers to sync up to, None to stop: a queue rather than a
         # condition, as each handover costs the sync thread the GIL, which
         # the loop then waits to take back (one take per ask, not several).
@@ -438,7 +441,7 @@ class Worker:
         # about 10 commands to 15, and did 10 to 25 % more (README,
         # Performance).
         awaited = self._awaited = set(answered)
-        self._awaited_until = time.monotonic() + self._sync_s
+        self._awaited_until = time.monotonic() + min(self._sync_s, self._awaited_max_s)
         open_round = self._loop_round
         if open_round is not None:
             awaited.difference_update(open_round.holders)

@@ -206,10 +206,10 @@ def test_a_round_waits_for_the_connections_the_last_sync_answered(
             assert stored is Put.STORED
 
         await put_and_settle(b, b"first")
-        # A sync that took half a second: long enough for this test's turns
-        # of the loop, short enough for the last wait, and under the on-loop
-        # path's loop_sync_max_us.
-        b.worker._sync_s = 0.5
+        # Syncs that took half a second, and a wait for clients up to that:
+        # long enough for this test's turns of the loop, short enough for the
+        # last wait, and under the on-loop path's loop_sync_max_us.
+        b.worker._sync_s = b.worker._awaited_max_s = 0.5
         early, late = Holder(b), Holder(b)
         put_now(early, b"a1")
         put_now(late, b"b1")
