@@ -234,6 +234,32 @@ def test_a_round_waits_for_the_connections_the_last_sync_answered(
     sync_session(name, tmp_path, where, body)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_round_of_one_job_a_connection_is_synced_by_the_loop(name: str, tmp_path: Path) -> None:
+    # One command per round trip, nothing comes while a round syncs: the loop
+    # syncs it itself, even with Linux AIO. A connection that ran more (a
+    # pipeline) may send more meanwhile: the kernel syncs that round.
+    async def body(b: _BdbBackend) -> None:
+        await put_and_settle(b, b"first")
+        worker = b.worker
+        bodies = (str(i).encode() for i in range(100))  # distinct: bdb-random is a set
+        for jobs_each, on_loop in ((1, 1), (2, 0), (1, 1)):
+            worker._sync_s = 0.0  # fast syncs, whatever this disk's are
+            loop_flushes, aio_flushes = worker.loop_flushes, worker.aio_flushes
+            holders = [Holder(b), Holder(b)]
+            for holder in holders:
+                for _ in range(jobs_each):
+                    message = Message(next(bodies))
+                    stored = b.put_now("q", message, ALWAYS, False, NO_LIMITS, None, holder)
+                    assert stored is Put.STORED
+            for holder in holders:
+                assert await holder.released() is None
+            assert worker.loop_flushes - loop_flushes == on_loop
+            assert worker.aio_flushes - aio_flushes == 1 - on_loop
+
+    sync_session(name, tmp_path, "aio", body)
+
+
 class _FailingOnce:
     """A Berkeley DB handle, but the next call of its `method` fails with EIO.
 
@@ -400,17 +426,21 @@ def test_where_aio_cannot_sync_the_loop_does_from_then_on(
         else:
             aio._next = str(tmp_path)  # a path that exists: the log seems to have moved on
             store.env = _FailingOnce(env, "log_stat")
+        loop_flushes = b.worker.loop_flushes
         try:
+            # Two jobs of one connection: a round the kernel would sync (a
+            # round of one job each the loop syncs itself, _nothing_to_overlap).
             holder = Holder(b)
-            assert await b.put("q", Message(b"third"), sync=ALWAYS, holder=holder) is Put.STORED
+            for body in (b"third", b"third+"):
+                assert await b.put("q", Message(body), sync=ALWAYS, holder=holder) is Put.STORED
             assert await holder.released() is None
         finally:
             store.env = env
         assert b.worker._aio is None
-        assert b.worker.loop_flushes == 1
+        assert b.worker.loop_flushes == loop_flushes + 1
         assert await b.put("q", Message(b"fourth"), sync=ALWAYS) is Put.STORED
         bodies = sorted(m.body for m in await drain(b, "q"))
-        assert bodies == [b"first", b"fourth", b"second", b"third"]
+        assert bodies == [b"first", b"fourth", b"second", b"third", b"third+"]
 
     sync_session(name, tmp_path, "aio", body)
 
