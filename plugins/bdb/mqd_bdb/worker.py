@@ -1,23 +1,23 @@
 """Where an environment's Berkeley DB work runs: the event loop and three threads.
 
-A plain put, take or ack whose caller holds its reply back (a connection, see
-mqd.backend.Holder) runs at once on the event loop, when the store is free,
-in a transaction left open for the rest of that turn of the loop: a round.
-At the end of the turn the round commits without a sync; if any of its jobs
-asked for `Sync.ALWAYS`, the log is synced, and the round's holders send
-their replies once that sync has ended (or the error instead, if the round
-failed and was undone). With `aio_sync`, the kernel syncs the log file
-while the loop goes on (mqd_bdb.logsync), and the next round stays open
-until GATHER_TURNS turns of the loop after that sync ended are over: one
-commit and one sync for all that came meanwhile, and longer while the
-connections that sync answered have not sent their next command (at most one
-sync's duration, and MAX_GATHER_S). That is a group commit with no future per job. Without
-Linux AIO, the loop syncs there and then where syncs take under
-`loop_sync_max_us`, as Redis does; otherwise the
+A plain put, take or ack whose caller holds its reply back (a connection,
+see mqd.backend.Holder) runs at once on the event loop, when the store is
+free, in a transaction left open for the rest of that turn of the loop: a
+round. At the end of the turn the round commits without a sync; if any of
+its jobs asked for `Sync.ALWAYS`, the log is synced, and the round's holders
+send their replies once that sync has ended (or the error instead, if the
+round failed and was undone). With `aio_sync`, the kernel syncs the log file
+while the loop goes on (mqd_bdb.logsync; but a round of one job a connection
+the loop syncs itself where syncs are fast: _nothing_to_overlap), and the
+next round stays open until GATHER_TURNS turns of the loop after that sync
+ended are over: one commit and one sync for all that came meanwhile, and
+longer while the connections that sync answered have not sent their next
+command (at most one sync's duration, and MAX_GATHER_S). That is a group
+commit with no future per job. Without Linux AIO, the loop syncs there and
+then where syncs take under `loop_sync_max_us`, as Redis does; otherwise the
 sync thread syncs while the loop goes on, the next round again staying open
-until it is done.
-Bundles of quick jobs from callers that await futures run in the same
-rounds, and are answered after the same syncs.
+until it is done. Bundles of quick jobs from callers that await futures run
+in the same rounds, and are answered after the same syncs.
 
 Everything else goes to the worker thread: the event loop hands jobs over in
 bundles and awaits their futures. The worker takes whatever has arrived
