@@ -409,11 +409,17 @@ def test_where_aio_cannot_sync_the_loop_does_from_then_on(
     released as usual. `pipe`: io_submit refuses an fdatasync of a pipe (EINVAL);
     `log_stat`: a next log file is there, and which file the log is in is not found."""
 
+    async def put_two(b: _BdbBackend, first: bytes, second: bytes) -> None:
+        # Two jobs of one connection: a round the kernel syncs (a round of one
+        # job each the loop syncs itself, _nothing_to_overlap).
+        holder = Holder(b)
+        for body in (first, second):
+            assert await b.put("q", Message(body), sync=ALWAYS, holder=holder) is Put.STORED
+        assert await holder.released() is None
+
     async def body(b: _BdbBackend) -> None:
         await put_and_settle(b, b"first")
-        holder = Holder(b)
-        assert await b.put("q", Message(b"second"), sync=ALWAYS, holder=holder) is Put.STORED
-        assert await holder.released() is None
+        await put_two(b, b"second", b"second+")
         aio = b.worker._aio
         assert aio is not None and aio._fd >= 0
         store = b.worker.store
@@ -428,19 +434,14 @@ def test_where_aio_cannot_sync_the_loop_does_from_then_on(
             store.env = _FailingOnce(env, "log_stat")
         loop_flushes = b.worker.loop_flushes
         try:
-            # Two jobs of one connection: a round the kernel would sync (a
-            # round of one job each the loop syncs itself, _nothing_to_overlap).
-            holder = Holder(b)
-            for body in (b"third", b"third+"):
-                assert await b.put("q", Message(body), sync=ALWAYS, holder=holder) is Put.STORED
-            assert await holder.released() is None
+            await put_two(b, b"third", b"third+")
         finally:
             store.env = env
         assert b.worker._aio is None
         assert b.worker.loop_flushes == loop_flushes + 1
         assert await b.put("q", Message(b"fourth"), sync=ALWAYS) is Put.STORED
         bodies = sorted(m.body for m in await drain(b, "q"))
-        assert bodies == [b"first", b"fourth", b"second", b"third", b"third+"]
+        assert bodies == [b"first", b"fourth", b"second", b"second+", b"third", b"third+"]
 
     sync_session(name, tmp_path, "aio", body)
 
