@@ -62,6 +62,7 @@ from loadgen import LoadSpec
 
 MEMCACHED = "memcached -t 2"
 REDIS_ALWAYS = "redis appendfsync always"
+REDIS_NO = "redis appendfsync no"
 MEMORY = "mqd memory"
 BDB_ALWAYS = "mqd bdb always"
 QUEUE = "q1"  # what memtier's --key-prefix=q --key-minimum=1 --key-maximum=1 makes
@@ -233,7 +234,7 @@ MQD_SYSTEMS = [  # name, backend, sync, note
 ]
 OTHER_SYSTEMS = [
     System(MEMCACHED, "memcache", lambda o: memcached(threads=2), "memory only"),
-    System("redis appendfsync no", "resp", lambda o: redis("no", o.base_dir), "AOF, no fsync"),
+    System(REDIS_NO, "resp", lambda o: redis("no", o.base_dir), "AOF, no fsync"),
     System(REDIS_ALWAYS, "resp", lambda o: redis("always", o.base_dir), "AOF, fsync each write"),
 ]
 
@@ -337,6 +338,17 @@ def ratio_table(results: dict[str, dict[int, Figures]], mqds: list[Checkout], o:
             rows.append(
                 [label, *(fmt_ratio(a[p].ops_per_s, b[p].ops_per_s) for p in o.pipelines), target]
             )
+    # What durability costs Redis in the same run: the yardstick for the row
+    # "bdb always / mqd memory", whose target asks as much of mqd.
+    redis_always, redis_no = results.get(REDIS_ALWAYS), results.get(REDIS_NO)
+    if redis_always is not None and redis_no is not None:
+        rows.append(
+            [
+                "redis always / redis no",
+                *(fmt_ratio(redis_always[p].ops_per_s, redis_no[p].ops_per_s) for p in o.pipelines),
+                "reference",
+            ]
+        )
     ref = results.get(MEMCACHED)
     if ref is not None:
         for c in mqds:
