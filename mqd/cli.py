@@ -365,11 +365,11 @@ def build_native(force: bool) -> None:
     if native.forced_pure():
         click.echo(f"{native.PURE_ENV} is set: nothing built, mqd runs pure Python")
         return
-    for build in native.builds():
-        try:
-            click.echo(build.build(force))
-        except native.BuildError as error:
-            raise click.ClickException(f"{build.package}: {error}") from None
+    try:
+        for line in native.build(native.builds(), force):
+            click.echo(line)
+    except native.BuildError as error:
+        raise click.ClickException(str(error)) from None
 
 
 if __name__ == "__main__":

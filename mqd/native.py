@@ -5,8 +5,13 @@ the pure-Python sources stay the reference and the fallback. Each package
 with hot modules has a `Native`: mqd's own (`MQD`: parser, connection, broker) and
 those plugins name in the `mqd.native` entry-point group (the Berkeley DB
 plugin's store and worker). `mqd build-native` (which `bin/setup` runs)
-compiles each package's modules into `<package>/_native/<python tag>/`,
-beside the sources but never in place of them. When the package is
+compiles every package's modules in one mypyc run, one group whose shared
+library sits in mqd's build, each package's extensions in
+`<package>/_native/<python tag>/`, beside the sources but never in place of
+them. One run, so that a plugin's compiled code reaches mqd's compiled
+classes (a Message's fields) directly: built on its own, mypyc takes another
+package's classes for interpreted ones, and every field read or write of
+them is a generic attribute lookup. When the package is
 imported, `activate` puts that directory first on the package's search path,
 so `import mqd.protocol` loads the compiled module, but only if:
 
@@ -17,6 +22,8 @@ so `import mqd.protocol` loads the compiled module, but only if:
   compiled code also relies on the types of what it imports). After any edit
   the pure-Python path is used until the next build, so a stale build is
   never run.
+- for a plugin, mqd's own build is in use and came from the same run (its
+  code is in mqd's shared library, and compiled against mqd's).
 
 `mqd version` says which path each package is on.
 """
@@ -34,6 +41,7 @@ from pathlib import Path
 PURE_ENV = "MQD_PURE_PYTHON"
 ENTRY_POINTS = "mqd.native"  # plugins' builds: a Native each
 MANIFEST = "manifest.json"
+GROUP_OWNER = "mqd"  # the package whose build holds the shared library of the run
 
 # Compiles the modules given into extensions in place, all of them in one
 # group whose shared library sits inside the package (argv[1] names it), where
@@ -108,8 +116,17 @@ class Native:
 
     def current(self) -> bool:
         """Whether there is a build of these modules made from the sources present."""
-        wanted = {"modules": list(self.modules), "sources": self.source_digest()}
-        return self.manifest() == wanted
+        manifest = self.manifest() or {}
+        built = {key: manifest.get(key) for key in ("modules", "sources")}
+        return built == {"modules": list(self.modules), "sources": self.source_digest()}
+
+    def manifest_value(self, key: str) -> object:
+        """One entry of the build's manifest (None: no build, or no such entry)."""
+        return (self.manifest() or {}).get(key)
+
+    def run_id(self) -> object:
+        """Which run of `build` made this package's build (None: none there)."""
+        return self.manifest_value("run")
 
     def activate(self, package_path: list[str]) -> None:
         """Put the compiled build first on `package_path` (the package's __path__) if usable."""
@@ -127,6 +144,12 @@ class Native:
         if not isinstance(modules, list):
             self.state = "pure Python (the compiled build's manifest is damaged: run bin/setup)"
             return
+        if self.package != GROUP_OWNER and (
+            not MQD.compiled or manifest.get("run") != MQD.run_id()
+        ):
+            # Its code lives in the shared library of mqd's build: only that run's will do.
+            self.state = "pure Python (not made with mqd's compiled build in use: run bin/setup)"
+            return
         package_path.insert(0, str(self.build_dir / self.package))
         self.compiled = tuple(str(m) for m in modules)
         self.state = f"compiled with mypyc: {', '.join(self.compiled)}"
@@ -136,73 +159,88 @@ class Native:
         if any(m.startswith(name + ".") for m in self.compiled):
             package_path.insert(0, str(self.build_dir / self.package / name))
 
-    def build(self, force: bool = False) -> str:
-        """Compile the modules unless an up-to-date build is there; return what was done."""
-        # Imported here: every start of mqd imports this module, few of them build.
-        import shutil
-        import subprocess
-        import tempfile
-
-        if not force and self.current():
-            return f"{self.package}: up to date: {self.build_dir}"
-        try:
-            import mypyc  # noqa: F401  (only checking it is there)
-        except ImportError:
-            needed = "mypyc is needed to build; it comes with mypy: pip install mypy"
-            raise BuildError(needed) from None
-        with tempfile.TemporaryDirectory(prefix=f"{self.package}-native-") as tmp:
-            # mypyc writes its extensions next to the sources it compiles:
-            # compile a copy, so the package directory never holds a compiled
-            # module. The packages relied on are copied for their types alone.
-            work = Path(tmp)
-            for root in self._roots():
-                shutil.copytree(
-                    root,
-                    work / root.name,
-                    ignore=shutil.ignore_patterns("_native", "__pycache__", "*.so", "*.egg-info"),
-                )
-            sources = [f"{self.package}/{m.replace('.', '/')}.py" for m in self.modules]
-            run = subprocess.run(
-                [sys.executable, "-c", _SETUP, f"{self.package}.native", *sources],
-                cwd=work,
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if run.returncode != 0:
-                raise BuildError(f"mypyc failed:\n{run.stdout[-4000:]}{run.stderr[-4000:]}")
-            if list(work.glob("*.so")):
-                outside = f"mypyc put a library outside {self.package}, where activate() misses it"
-                raise BuildError(outside)
-            # The digest of the copy compiled, should the sources change meanwhile.
-            manifest = {"modules": list(self.modules), "sources": _digest(self._roots(work))}
-            staging = self.build_dir.with_name(self.build_dir.name + ".new")
-            shutil.rmtree(staging, ignore_errors=True)
-            (staging / self.package).mkdir(parents=True)
-            for so in (work / self.package).rglob("*.so"):
-                target = staging / self.package / so.relative_to(work / self.package)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(so, target)
-            (staging / MANIFEST).write_text(json.dumps(manifest))
-        old = self.build_dir.with_name(self.build_dir.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if self.build_dir.exists():
-            self.build_dir.rename(old)
-        staging.rename(self.build_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        return f"{self.package}: built {', '.join(self.modules)} into {self.build_dir}"
-
 
 #: mqd's own hot modules, on every command's path: the memcached parser and
 #: reply rendering, the connection, the broker, the message and what they share,
-#: and the memory backend. Not mqd.backend: a build takes another package's
-#: classes for interpreted ones, so a compiled plugin's backend can only
-#: subclass an interpreted Backend.
+#: and the memory backend. Not mqd.backend: every plugin's backend subclasses
+#: its Backend, and one that is not compiled could not subclass a compiled class.
 MQD = Native(
     "mqd",
     Path(__file__).resolve().parent,
     ("backends.memory", "broker", "connection", "eager", "message", "protocol", "stats"),
 )
+
+
+def build(natives: Sequence[Native], force: bool = False) -> list[str]:
+    """Compile the modules of `natives` (mqd's first) in one run unless their builds are
+    current and of one run; what was done, a line each."""
+    # Imported here: every start of mqd imports this module, few of them build.
+    import shutil
+    import subprocess
+    import tempfile
+
+    packages = [n.package for n in natives]
+    if packages[0] != GROUP_OWNER:
+        raise BuildError(f"the first build of a run must be {GROUP_OWNER}'s, not {packages[0]}'s")
+    one_run = len({n.run_id() for n in natives}) == 1
+    built = natives[0].manifest_value("packages") == packages
+    if not force and one_run and built and all(n.current() for n in natives):
+        return [f"{n.package}: up to date: {n.build_dir}" for n in natives]
+    try:
+        import mypyc  # noqa: F401  (only checking it is there)
+    except ImportError:
+        needed = "mypyc is needed to build; it comes with mypy: pip install mypy"
+        raise BuildError(needed) from None
+    roots = {root.name: root for n in natives for root in n._roots()}
+    with tempfile.TemporaryDirectory(prefix="mqd-native-") as tmp:
+        # mypyc writes its extensions next to the sources it compiles:
+        # compile a copy, so no package directory ever holds a compiled module.
+        work = Path(tmp)
+        for name, root in roots.items():
+            shutil.copytree(
+                root,
+                work / name,
+                ignore=shutil.ignore_patterns("_native", "__pycache__", "*.so", "*.egg-info"),
+            )
+        sources = [f"{n.package}/{m.replace('.', '/')}.py" for n in natives for m in n.modules]
+        run = subprocess.run(
+            [sys.executable, "-c", _SETUP, f"{GROUP_OWNER}.native", *sources],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if run.returncode != 0:
+            raise BuildError(f"mypyc failed:\n{run.stdout[-4000:]}{run.stderr[-4000:]}")
+        if list(work.glob("*.so")):
+            outside = f"mypyc put a library outside {GROUP_OWNER}, where activate() misses it"
+            raise BuildError(outside)
+        # The digests of the copy compiled, should the sources change meanwhile;
+        # the run's id, from all of them, ties each plugin's build to mqd's.
+        digests = {n.package: _digest(n._roots(work)) for n in natives}
+        run_id = hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
+        staged = []
+        for n in natives:
+            manifest = {"modules": list(n.modules), "sources": digests[n.package], "run": run_id}
+            if n.package == GROUP_OWNER:
+                manifest["packages"] = packages
+            staging = n.build_dir.with_name(n.build_dir.name + ".new")
+            shutil.rmtree(staging, ignore_errors=True)
+            (staging / n.package).mkdir(parents=True)
+            for so in (work / n.package).rglob("*.so"):
+                target = staging / n.package / so.relative_to(work / n.package)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(so, target)
+            (staging / MANIFEST).write_text(json.dumps(manifest))
+            staged.append((n, staging))
+    for n, staging in staged:
+        old = n.build_dir.with_name(n.build_dir.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if n.build_dir.exists():
+            n.build_dir.rename(old)
+        staging.rename(n.build_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    return [f"{n.package}: built {', '.join(n.modules)} into {n.build_dir}" for n in natives]
 
 
 def builds() -> list[Native]:

@@ -71,6 +71,51 @@ def test_compiled_when_built_and_current(module: str) -> None:
         assert path.startswith(str(build.build_dir)), env
         assert path.endswith(".so"), env
         assert state == f"compiled with mypyc: {', '.join(build.modules)}"
+    # One run built them all: the plugin's code sits in mqd's shared library.
+    assert build.run_id() == native.MQD.run_id()
+    assert native.MQD.manifest_value("packages") == list(_builds())
+
+
+def _plugin_build(run: object, monkeypatch: pytest.MonkeyPatch) -> tuple[native.Native, list[str]]:
+    """The Berkeley DB plugin's build, current but made in run `run`, activated."""
+    monkeypatch.delenv(native.PURE_ENV, raising=False)
+    plugin = _builds()["mqd_bdb"]
+    build = native.Native("mqd_bdb", plugin.directory, plugin.modules, plugin.relies_on)
+    manifest = {"modules": list(plugin.modules), "sources": build.source_digest(), "run": run}
+    monkeypatch.setattr(build, "manifest", lambda: manifest)
+    path = ["/src/mqd_bdb"]
+    build.activate(path)
+    return build, path
+
+
+def test_a_plugin_build_of_another_run_than_mqds_is_not_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its code would be in another run's shared library, compiled against other types.
+    monkeypatch.setattr(native.MQD, "compiled", ("message",))
+    monkeypatch.setattr(native.MQD, "manifest", lambda: {"run": "mqd's run"})
+    build, path = _plugin_build("another run", monkeypatch)
+    assert path == ["/src/mqd_bdb"]
+    assert "not made with mqd's compiled build" in build.state
+    build, path = _plugin_build("mqd's run", monkeypatch)
+    assert path[0] == str(build.build_dir / "mqd_bdb")
+    assert build.state.startswith("compiled with mypyc")
+
+
+def test_a_plugin_build_is_not_used_when_mqd_runs_pure_python(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(native.MQD, "compiled", ())
+    monkeypatch.setattr(native.MQD, "manifest", lambda: {"run": "mqd's run"})
+    build, path = _plugin_build("mqd's run", monkeypatch)
+    assert path == ["/src/mqd_bdb"]
+    assert "not made with mqd's compiled build" in build.state
+
+
+def test_a_run_must_start_with_mqds_build() -> None:
+    plugin = _builds()["mqd_bdb"]
+    with pytest.raises(native.BuildError, match="must be mqd's"):
+        native.build([plugin])
 
 
 def test_stale_build_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
