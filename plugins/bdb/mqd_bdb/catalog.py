@@ -176,17 +176,21 @@ class QueueState:
             self.head_created = CREATED.unpack_from(rec[1], REC_CREATED)[0]
         self.head_dirty = False
 
-    def removed(self, key: bytes, size: int) -> None:
-        """The message at `key`, of `size` body bytes, left the queue."""
+    def removed(self, key: bytes | None, size: int) -> None:
+        """The message at `key` (None: the head), of `size` body bytes, left the queue."""
         self.items -= 1
         self.bytes -= size
-        if self.head_key is None or key == self.head_key:
+        if key is None or self.head_key is None or key == self.head_key:
             self.head_dirty = True  # looked up at the end of the batch
+
+    def head_is(self, key: bytes, created: float) -> None:
+        """The record at `key`, made at `created`, is the queue's first."""
+        self.head_key, self.head_created, self.head_dirty = key, created, False
 
     def head_added(self, key: bytes, created: float) -> None:
         """A record was added at `key`: it is the head if it sorts first."""
         if self.items == 1:
-            self.head_key, self.head_created, self.head_dirty = key, created, False
+            self.head_is(key, created)
         elif self.head_key is None:
             self.head_dirty = True
         elif key < self.head_key:

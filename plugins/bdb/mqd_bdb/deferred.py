@@ -98,7 +98,9 @@ class DeferredPuts(BodyIndex):
             del self._deferred[name]
         self.paired += 1
         offset = put.offset
-        q.removed(q.mpre + u64(offset), len(put.body))
+        # With no message open, every record of the queue is a deferred put, so
+        # the one taken, the oldest, was the head: no key to make and compare.
+        q.removed(q.mpre + u64(offset) if q.open else None, len(put.body))
         q.hint = offset + 1  # as after any take: no waiting message sorts before
         # A copy, as a take reads one from its record: the put's caller holds `put`.
         return put.handed_out()
@@ -113,5 +115,12 @@ class DeferredPuts(BodyIndex):
             pair = deferred.pop(name, None)
             pairs = [] if pair is None else [pair]
         for q, waiting in pairs:
+            if q.items == len(waiting):
+                # They are all the queue holds (none waits on disk, none is
+                # open): the oldest is the head, which the end of the batch
+                # need not look up. A queue that keeps a few messages waiting
+                # under a steady load ends every batch so.
+                first = waiting[0]
+                q.head_is(q.mpre + u64(first.offset), first.created)
             for message in waiting:
                 self._write_waiting(txn, q, message)

@@ -113,11 +113,7 @@ class Operations(Store):
             self._rewind(q, key, offset)
             q.head_added(key, message.created)
         elif q.items == 1:  # an offset-keyed append sorts after the head and the hint
-            q.head_key, q.head_created, q.head_dirty = (
-                q.mpre + u64(offset),
-                message.created,
-                False,
-            )
+            q.head_is(q.mpre + u64(offset), message.created)
 
     def _write_waiting(self, txn: Any, q: QueueState, message: Message) -> bool:
         """Write the record of `message`, waiting; False if keyed by body and that is there."""

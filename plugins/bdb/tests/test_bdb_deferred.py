@@ -231,6 +231,49 @@ def test_deferred_put_read_in_its_own_batch(name: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", FIFO_NAMES)
+def test_a_batch_whose_puts_are_all_its_queue_holds_makes_the_oldest_the_head(
+    name: str, tmp_path: Path
+) -> None:
+    """A steady load over a queue with messages waiting: each batch takes those
+    from disk and writes its last puts, which are then the head. Beside an open
+    message, the open one stays the head."""
+
+    async def body(b: _BdbBackend) -> None:
+        for queue in ("q", "r"):
+            stored = await b.put(queue, Message(b"old", created=1.0), sync=ALWAYS)
+            assert stored is Put.STORED
+        held = await b.reserve("r", lease=60.0, sync=ALWAYS)
+        assert held is not None and held.body == b"old"
+        calls = [
+            call
+            for queue in ("q", "r")
+            for call in (
+                _put(queue, b"a", 2.0),
+                _take(queue),
+                _put(queue, b"b", 3.0),
+                _put(queue, b"c", 4.0),
+                _take(queue),
+            )
+        ]
+        results = await in_one_batch(b, calls)
+        assert [r[0] for r in results[1::5] + results[4::5]] == [b"old", b"a", b"a", b"b"]
+        sizes = {queue: await b.size(queue) for queue in ("q", "r")}
+        assert {q: (s.items, s.open, s.head_created) for q, s in sizes.items() if s} == {
+            "q": (2, 0, 3.0),
+            "r": (2, 1, 1.0),
+        }
+
+    session(name, tmp_path, body)
+
+    async def after(b: _BdbBackend) -> None:
+        size = await b.size("q")
+        assert size is not None and (size.items, size.head_created) == (2, 3.0)
+        assert [(m.body, m.created) for m in await drain(b, "q")] == [(b"b", 3.0), (b"c", 4.0)]
+
+    session(name, tmp_path, after)
+
+
+@pytest.mark.parametrize("name", FIFO_NAMES)
 def test_fanout_copies_taken_in_their_batch(name: str, tmp_path: Path) -> None:
     """A parent's put is written; its children's copies pair like plain puts."""
 
