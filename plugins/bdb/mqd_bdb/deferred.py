@@ -115,11 +115,12 @@ class DeferredPuts(BodyIndex):
             pair = deferred.pop(name, None)
             pairs = [] if pair is None else [pair]
         for q, waiting in pairs:
-            if q.items == len(waiting):
-                # They are all the queue holds (none waits on disk, none is
-                # open): the oldest is the head, which the end of the batch
-                # need not look up. A queue that keeps a few messages waiting
-                # under a steady load ends every batch so.
+            if q.head_dirty and q.items == len(waiting):
+                # The head is unknown (a take from disk removed it), and these
+                # are all the queue holds (none waits on disk, none is open):
+                # the oldest is the head, which the end of the batch need not
+                # look up. A queue that keeps a few messages waiting under a
+                # steady load ends every batch so.
                 first = waiting[0]
                 q.head_is(q.mpre + u64(first.offset), first.created)
             for message in waiting:

@@ -234,33 +234,36 @@ def test_deferred_put_read_in_its_own_batch(name: str, tmp_path: Path) -> None:
 def test_a_batch_whose_puts_are_all_its_queue_holds_makes_the_oldest_the_head(
     name: str, tmp_path: Path
 ) -> None:
-    """A steady load over a queue with messages waiting: each batch takes those
-    from disk and writes its last puts, which are then the head. Beside an open
-    message, the open one stays the head."""
+    """A steady load over a queue with a message waiting: each batch takes it
+    from disk and writes its last puts, which are then the head. Where a
+    message is open behind the one taken, the open one becomes the head."""
 
     async def body(b: _BdbBackend) -> None:
         for queue in ("q", "r"):
-            stored = await b.put(queue, Message(b"old", created=1.0), sync=ALWAYS)
-            assert stored is Put.STORED
-        held = await b.reserve("r", lease=60.0, sync=ALWAYS)
-        assert held is not None and held.body == b"old"
+            await b.put(queue, Message(b"old", created=1.0), sync=ALWAYS)
+        # r: "old" waits again at the head, "later" stays open behind it.
+        await b.put("r", Message(b"later", created=1.5), sync=ALWAYS)
+        first = await b.reserve("r", lease=60.0, sync=ALWAYS)
+        assert await b.reserve("r", lease=60.0, sync=ALWAYS) is not None
+        assert first is not None and first.receipt is not None
+        assert await b.release(first.receipt, sync=ALWAYS)
         calls = [
             call
             for queue in ("q", "r")
             for call in (
                 _put(queue, b"a", 2.0),
-                _take(queue),
+                _take(queue),  # "old", from disk: the head is gone
                 _put(queue, b"b", 3.0),
                 _put(queue, b"c", 4.0),
-                _take(queue),
+                _take(queue),  # "a", never written
             )
         ]
         results = await in_one_batch(b, calls)
-        assert [r[0] for r in results[1::5] + results[4::5]] == [b"old", b"a", b"a", b"b"]
+        assert [r[0] for r in results[1::5] + results[4::5]] == [b"old", b"old", b"a", b"a"]
         sizes = {queue: await b.size(queue) for queue in ("q", "r")}
         assert {q: (s.items, s.open, s.head_created) for q, s in sizes.items() if s} == {
             "q": (2, 0, 3.0),
-            "r": (2, 1, 1.0),
+            "r": (3, 1, 1.5),
         }
 
     session(name, tmp_path, body)
