@@ -116,11 +116,11 @@ class DeferredPuts(BodyIndex):
             pairs = [] if pair is None else [pair]
         for q, waiting in pairs:
             if q.head_dirty and q.items == len(waiting):
-                # The head is unknown (a take from disk removed it), and these
-                # are all the queue holds (none waits on disk, none is open):
-                # the oldest is the head, which the end of the batch need not
-                # look up. A queue that keeps a few messages waiting under a
-                # steady load ends every batch so.
+                # The head is unknown (what was the head left the queue), and
+                # these are all the queue holds (none waits on disk, none is
+                # open): the oldest is the head, which the end of the batch need
+                # not look up. A queue that keeps a few messages waiting under
+                # a steady load ends every batch so.
                 first = waiting[0]
                 q.head_is(q.mpre + u64(first.offset), first.created)
             for message in waiting:
