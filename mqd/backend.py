@@ -37,6 +37,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, ClassVar, Final, NamedTuple, Protocol, cast
 
+from mypy_extensions import mypyc_attr
+
 from mqd.eager import run_together
 from mqd.errors import BackendLoadError
 from mqd.message import Message as Message
@@ -202,6 +204,9 @@ class Holder(Protocol):
         """
 
 
+# Compiled (mqd/native.py), so that the backends mqd and its plugins compile are
+# native classes too; plugins that are not compiled subclass it all the same.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Backend(abc.ABC):
     """Durable storage of queues of messages, and the queue state daemons share.
 
@@ -223,6 +228,8 @@ class Backend(abc.ABC):
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
     #: Whether put() and take() may answer a Holder before the answer is durable.
     answers_held: ClassVar[bool] = False
+    #: Whether put_now() and take_now() may answer; the broker asks them first.
+    answers_now: ClassVar[bool] = False
 
     def __init__(self, options: StorageOptions) -> None:
         self.options = options
@@ -294,11 +301,12 @@ class Backend(abc.ABC):
         fanout: Fanout | None,
         holder: Holder,
     ) -> Put | Later:
-        """put(), answered at once, its answer held by `holder`; LATER if it cannot be.
+        """put(), answered at once; LATER if it cannot be.
 
-        The caller then awaits put(). Asked only of backends that answer held
-        (answers_held), on the path of every set: a plain call costs less there
-        than a coroutine to make, run and end.
+        The caller then awaits put(). Asked only of backends that answer now
+        (answers_now), on the path of every set: a plain call costs less there
+        than a coroutine to make, run and end. A backend that answers held
+        (answers_held) has its answer held by `holder` as put() would.
         """
         return LATER
 

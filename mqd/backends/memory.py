@@ -207,9 +207,15 @@ _SHARED: dict[str, _Store] = {}
 # Compiled (mqd/native.py), yet tests subclass it to change what a backend can do.
 @mypyc_attr(allow_interpreted_subclasses=True)
 class MemoryBackend(Backend):
-    """Queues in process memory. `sync` has no meaning here and is ignored."""
+    """Queues in process memory. `sync` has no meaning here and is ignored.
+
+    Every set and plain get is answered by put_now() and take_now(): a
+    subclass that changes put() or take() sets answers_now to False, or
+    changes those two as well.
+    """
 
     name = "memory"
+    answers_now = True
     capabilities: ClassVar[frozenset[Capability]] = frozenset(
         {Capability.UNIQUE, Capability.OFFSET, Capability.FIFO, Capability.SHARED}
     )
@@ -256,6 +262,18 @@ class MemoryBackend(Backend):
         fanout: Fanout | None = None,
         holder: Holder | None = None,
     ) -> Put:
+        return self.put_now(queue, message, sync, unique, limits, fanout, holder)
+
+    def put_now(
+        self,
+        queue: str,
+        message: Message,
+        sync: Sync,
+        unique: bool,
+        limits: Limits,
+        fanout: Fanout | None,
+        holder: Holder | None,
+    ) -> Put:
         q = self._queues.get(queue)
         if q is None:
             q = self._store.create(queue)
@@ -291,6 +309,9 @@ class MemoryBackend(Backend):
             self._store.arrived(child, self)
 
     async def take(self, queue: str, *, sync: Sync, holder: Holder | None = None) -> Message | None:
+        return self.take_now(queue, sync, holder)
+
+    def take_now(self, queue: str, sync: Sync, holder: Holder | None) -> Message | None:
         q = self._queues.get(queue)
         if q is None or not q.waiting:
             return None

@@ -32,7 +32,17 @@ from typing import Any, TypeVar
 
 import pytest
 
-from mqd.backend import Backend, Capability, Limits, Message, Put, Sync
+from mqd.backend import (
+    LATER,
+    NO_LIMITS,
+    Backend,
+    Capability,
+    Limits,
+    Message,
+    Pending,
+    Put,
+    Sync,
+)
 from mqd.protocol import name_bytes
 from mqd.testing.batches import BatchConformance
 
@@ -67,6 +77,22 @@ HOSTILE_NAMES = [
 def no_dead_letters(queue: str, message: Message) -> str | None:
     """A reclaim route that returns every message to its queue."""
     return None
+
+
+class HeldAnswers:
+    """A Holder (mqd.backend) that keeps what each Pending it was given ended with."""
+
+    def __init__(self) -> None:
+        self.ends: list[asyncio.Future[BaseException | None]] = []
+
+    def hold(self, pending: Pending) -> None:
+        end: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+        pending.add(end.set_result)
+        self.ends.append(end)
+
+    async def released(self) -> list[BaseException | None]:
+        """What every Pending held so far ended with, once all have ended."""
+        return list(await asyncio.gather(*self.ends))
 
 
 def run_with(backend: B, body: Callable[[B], Awaitable[T]]) -> T:
@@ -137,6 +163,38 @@ class BackendConformance(BatchConformance):
             else:
                 assert sorted(bodies) == sorted(sent)
             assert await b.take("q", sync=ALWAYS) is None
+
+        self.session(data_dir, body)
+
+    def test_answers_now_are_those_put_and_take_give(self, data_dir: Path) -> None:
+        # The broker asks put_now() and take_now() first when answers_now:
+        # each answers, or gives LATER and put() or take() answers instead.
+        async def body(b: Backend) -> None:
+            holder = HeldAnswers()
+            sent = [b"a", b"b", b"c"]
+            now = []
+            for m in sent:
+                message = Message(m)
+                stored = b.put_now("q", message, ALWAYS, False, NO_LIMITS, None, holder)
+                now.append(stored is not LATER)
+                if stored is LATER:
+                    stored = await b.put("q", message, sync=ALWAYS)
+                assert stored is Put.STORED
+            got: list[bytes] = []
+            for _ in range(len(sent) + 1):
+                taken = b.take_now("q", ALWAYS, holder)
+                now.append(taken is not LATER)
+                if taken is LATER:
+                    taken = await b.take("q", sync=ALWAYS)
+                if taken is not None:
+                    got.append(taken.body)
+            assert (got if self.fifo(b) else sorted(got)) == sent
+            if not b.answers_now:
+                assert not any(now)
+            # Answers given before they were durable are released once they are.
+            assert await asyncio.wait_for(holder.released(), 10) == [None] * len(holder.ends)
+            if not b.answers_held:
+                assert not holder.ends
 
         self.session(data_dir, body)
 

@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from mqd.backend import Backend, StorageOptions
+from mqd.backend import NO_LIMITS, Backend, Message, Put, StorageOptions, Sync
 from mqd.backends.memory import MemoryBackend
 from mqd.testing.conformance import BackendConformance
 from mqd.testing.many import ManyDaemonConformance
@@ -9,6 +9,19 @@ from mqd.testing.many import ManyDaemonConformance
 class TestMemoryConformance(BackendConformance):
     def make_backend(self, data_dir: Path) -> MemoryBackend:
         return MemoryBackend(StorageOptions(data_dir=data_dir))
+
+
+def test_memory_answers_every_set_and_get_at_once() -> None:
+    # The broker asks put_now() and take_now() first: no coroutine per command.
+    b = MemoryBackend(StorageOptions())
+    assert b.answers_now and not b.answers_held
+    first, second = Message(b"a"), Message(b"b")
+    for message in (first, second):
+        assert b.put_now("q", message, Sync.ALWAYS, False, NO_LIMITS, None, None) is Put.STORED
+    assert b.take_now("q", Sync.ALWAYS, None) is first
+    assert b.take_now("q", Sync.ALWAYS, None) is second
+    assert b.take_now("q", Sync.ALWAYS, None) is None
+    assert first.deliveries == second.deliveries == 1
 
 
 class TestMemoryManyDaemons(ManyDaemonConformance):

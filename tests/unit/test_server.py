@@ -81,6 +81,7 @@ class GroupCommit(MemoryBackend):
     """
 
     name = "group-commit"
+    answers_now = False  # its put() and take() are what it tests
 
     def __init__(self, options: StorageOptions) -> None:
         super().__init__(options)
@@ -179,6 +180,8 @@ def test_a_limited_queue_keeps_a_get_behind_its_set() -> None:
 
 
 class ReadOnly(MemoryBackend):
+    answers_now = False  # its put() refuses
+
     async def put(self, queue: str, message: Message, **options: Any) -> Put:
         raise StorageError("read-only file system")
 
@@ -285,6 +288,7 @@ class Holding(MemoryBackend):
 
     name = "holding"
     answers_held = True
+    answers_now = False  # holds in put() and take()
 
     def __init__(self, options: StorageOptions) -> None:
         super().__init__(options)

@@ -59,6 +59,7 @@ class _BdbBackend(Backend):
     """A Berkeley DB environment in `options.data_dir`, worked by one thread."""
 
     answers_held = True
+    answers_now = True
     #: The module in mqd_bdb and the Store class in it that lay out the messages.
     layout: ClassVar[tuple[str, str]] = ("", "")
 
