@@ -49,6 +49,24 @@ log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "mqd.backends"
 
+#: The methods every backend defines: Backend's abstract ones. Named here as
+#: well, because compiled (mqd/native.py) Backend keeps no record of them for
+#: abc to refuse a subclass that lacks one; load() checks them instead.
+REQUIRED_METHODS: Final = (
+    "ack",
+    "delete",
+    "extend",
+    "peek",
+    "put",
+    "queues",
+    "reclaim",
+    "release",
+    "remove",
+    "reserve",
+    "size",
+    "take",
+)
+
 
 class Capability(enum.StrEnum):
     """Optional abilities a backend declares in `Backend.capabilities`."""
@@ -590,4 +608,10 @@ def load(name: str) -> type[Backend]:
         ) from exc
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         raise BackendLoadError(f"backend {name!r} from {dist} is not an mqd.backend.Backend")
+    missing = [m for m in REQUIRED_METHODS if getattr(cls, m) is getattr(Backend, m)]
+    if missing:
+        raise BackendLoadError(
+            f"backend {name!r} from {dist} does not define {', '.join(missing)}"
+            " (mqd.backend.Backend: every backend does)"
+        )
     return cls
