@@ -22,9 +22,8 @@ from mqd.config import Config
 from mqd.testing.many import get_command, store_command
 
 
-async def measure(samples: int) -> list[float]:
+async def measure(samples: int, data: Path) -> list[float]:
     """Seconds from each set on daemon 0 to the wait it ends on daemon 1."""
-    data = Path(tempfile.mkdtemp())
     brokers = []
     for n in range(2):
         backend = MemoryBackend(StorageOptions(data_dir=data, extra={"share": str(data)}))
@@ -52,7 +51,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=2000)
     args = parser.parse_args()
-    delays = asyncio.run(measure(args.samples))
+    with tempfile.TemporaryDirectory(prefix="bench-wakeup-") as data:
+        delays = asyncio.run(measure(args.samples, Path(data)))
 
     def ms(q: float) -> str:
         return f"{delays[min(int(q * len(delays)), len(delays) - 1)] * 1e3:.3f} ms"
