@@ -246,7 +246,8 @@ class Backend(abc.ABC):
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
     #: Whether put() and take() may answer a Holder before the answer is durable.
     answers_held: ClassVar[bool] = False
-    #: Whether put_now() and take_now() may answer; the broker asks them first.
+    #: Whether put_now() and take_now() may answer; the broker asks them first
+    #: (unless a subclass changed put() or take() alone: asks_now()).
     answers_now: ClassVar[bool] = False
 
     def __init__(self, options: StorageOptions) -> None:
@@ -570,6 +571,26 @@ class Backend(abc.ABC):
     def watch(self, queue: str, on: bool) -> None:
         """Gets are now waiting on `queue` (`on`), or no longer: what a poller polls."""
         return None  # optional hook: a backend that pushes wake-ups needs no list
+
+
+def asks_now(backend: Backend) -> bool:
+    """Whether the broker asks `backend`'s put_now() and take_now() first.
+
+    When its class answers now, and neither put() nor take() was changed
+    below the class that defines the plain call standing for it: a subclass
+    that changes put() alone (one that refuses, holds or counts) is asked
+    put(), not the put_now() it inherited, without having to say so.
+    """
+    cls = type(backend)
+    return backend.answers_now and all(
+        issubclass(_defined_in(cls, now), _defined_in(cls, later))
+        for now, later in (("put_now", "put"), ("take_now", "take"))
+    )
+
+
+def _defined_in(cls: type, method: str) -> type:
+    """The class, of `cls` and those it derives from, whose `method` it has."""
+    return next(c for c in cls.__mro__ if method in vars(c))
 
 
 def _ignore(queue: str) -> None:

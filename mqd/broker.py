@@ -42,6 +42,7 @@ from mqd.backend import (
     Receipt,
     Reclaimed,
     Sync,
+    asks_now,
 )
 from mqd.config import Config, QueueSettings
 from mqd.eager import run_together
@@ -195,7 +196,7 @@ class Broker:
         self._pending_flush: asyncio.TimerHandle | None = None
         self._fanout = self._child_limits  # one bound method, not one per set
         # Whether a held set or get is asked of put_now() or take_now() first.
-        self._ask_now = backend.answers_now
+        self._ask_now = asks_now(backend)
         # Whether commands stamp QueueState.used: only idle expiry reads it,
         # and a clock read per command is a measurable part of its cost.
         self._stamp = config.idle_expiry_used

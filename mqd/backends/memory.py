@@ -209,9 +209,9 @@ _SHARED: dict[str, _Store] = {}
 class MemoryBackend(Backend):
     """Queues in process memory. `sync` has no meaning here and is ignored.
 
-    Every set and plain get is answered by put_now() and take_now(): a
-    subclass that changes put() or take() sets answers_now to False, or
-    changes those two as well.
+    Sets and plain gets are answered by put_now() and take_now(); in a
+    subclass that changes put() or take(), by those instead
+    (mqd.backend.asks_now).
     """
 
     name = "memory"

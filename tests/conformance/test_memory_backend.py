@@ -1,6 +1,7 @@
 from pathlib import Path
+from typing import Any
 
-from mqd.backend import NO_LIMITS, Backend, Message, Put, StorageOptions, Sync
+from mqd.backend import NO_LIMITS, Backend, Message, Put, StorageOptions, Sync, asks_now
 from mqd.backends.memory import MemoryBackend
 from mqd.testing.conformance import BackendConformance
 from mqd.testing.many import ManyDaemonConformance
@@ -22,6 +23,30 @@ def test_memory_answers_every_set_and_get_at_once() -> None:
     assert b.take_now("q", Sync.ALWAYS, None) is second
     assert b.take_now("q", Sync.ALWAYS, None) is None
     assert first.deliveries == second.deliveries == 1
+
+
+def test_a_subclass_that_changes_put_or_take_is_asked_those() -> None:
+    class Refusing(MemoryBackend):
+        async def put(self, queue: str, message: Message, **options: Any) -> Put:
+            return Put.FULL
+
+    class Holding(MemoryBackend):
+        async def take(self, queue: str, **options: Any) -> Message | None:
+            return None
+
+    class BothWays(Refusing):
+        def put_now(self, queue: str, message: Message, *args: Any) -> Put:
+            return Put.FULL
+
+    class Quiet(MemoryBackend):
+        answers_now = False
+
+    options = StorageOptions()
+    assert asks_now(MemoryBackend(options))
+    assert not asks_now(Refusing(options))
+    assert not asks_now(Holding(options))
+    assert asks_now(BothWays(options))  # its own put_now() stands for its own put()
+    assert not asks_now(Quiet(options))
 
 
 class TestMemoryManyDaemons(ManyDaemonConformance):

@@ -81,7 +81,6 @@ class GroupCommit(MemoryBackend):
     """
 
     name = "group-commit"
-    answers_now = False  # its put() and take() are what it tests
 
     def __init__(self, options: StorageOptions) -> None:
         super().__init__(options)
@@ -180,8 +179,6 @@ def test_a_limited_queue_keeps_a_get_behind_its_set() -> None:
 
 
 class ReadOnly(MemoryBackend):
-    answers_now = False  # its put() refuses
-
     async def put(self, queue: str, message: Message, **options: Any) -> Put:
         raise StorageError("read-only file system")
 
@@ -288,7 +285,6 @@ class Holding(MemoryBackend):
 
     name = "holding"
     answers_held = True
-    answers_now = False  # holds in put() and take()
 
     def __init__(self, options: StorageOptions) -> None:
         super().__init__(options)
