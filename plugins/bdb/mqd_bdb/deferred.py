@@ -7,7 +7,9 @@ own) gets its offset and is counted in at once, like any put, but its record
 is written only when something needs it on disk. A take of a queue with no
 waiting message on disk takes the oldest deferred put instead; such a pair
 writes nothing but the queue's catalog record, which the batch writes anyway
-(its next offset moved). As no older message waits, FIFO order is what
+(its next offset moved). A round of held sets and gets (mqd_bdb.worker) that
+wrote nothing else needs no sync: its answers go out as it commits
+(Store.wrote says why that keeps every promise). As no older message waits, FIFO order is what
 running the jobs one by one gives, and so are the offsets, the counts and
 the gauges. An expired message is handed out as from disk: the broker drops
 it and takes again.
@@ -47,21 +49,30 @@ class DeferredPuts(BodyIndex):
     def __init__(self, data_dir: Path, config: BdbConfig) -> None:
         super().__init__(data_dir, config)
         self._deferred: dict[str, Deferred] = {}  # by queue name, in the running batch
+        self._wrote = False  # whether the running batch reached a message record (wrote())
 
     def _start_run(self) -> None:
         # What an aborted transaction deferred went with it: start afresh.
         self._deferred = {}
+        self._wrote = False
+
+    def wrote(self) -> bool:
+        return self._wrote
 
     def run_job(self, txn: Any, op: int, name: str, arg: Any) -> Any:
-        deferred = self._deferred
-        if deferred and op != jobs.PUT:
-            if op == jobs.TAKE:
-                pair = deferred.get(name)
-                # Whatever waits on disk is older than every deferred put.
-                if pair is not None and pair[0].items - pair[0].open == len(pair[1]):
-                    return self._take_deferred(name)
-            else:
-                self._write_deferred(txn, None if op in ANY_QUEUE else name)
+        if op != jobs.PUT:
+            deferred = self._deferred
+            if deferred:
+                if op == jobs.TAKE:
+                    pair = deferred.get(name)
+                    # Whatever waits on disk is older than every deferred put.
+                    if pair is not None and pair[0].items - pair[0].open == len(pair[1]):
+                        return self._take_deferred(name)
+                else:
+                    self._write_deferred(txn, None if op in ANY_QUEUE else name)
+            # Any other job may read or change records (a take that finds the
+            # queue empty too: telling it apart is not worth a branch).
+            self._wrote = True
         return self._ops[op](txn, name, arg)
 
     def _end_run(self, txn: Any) -> None:
@@ -75,6 +86,7 @@ class DeferredPuts(BodyIndex):
         if unique or jobs.bounded(limits) or (children is not None and name in self.children):
             # A fanout parent's copies go through put() again, each child for itself.
             self._write_deferred(txn, name)
+            self._wrote = True
             return super().put(txn, name, arg)
         q = self.queues.get(name)
         if q is None:
@@ -114,6 +126,8 @@ class DeferredPuts(BodyIndex):
         else:
             pair = deferred.pop(name, None)
             pairs = [] if pair is None else [pair]
+        if pairs:
+            self._wrote = True
         for q, waiting in pairs:
             if q.head_dirty and q.items == len(waiting):
                 # The head is unknown (what was the head left the queue), and

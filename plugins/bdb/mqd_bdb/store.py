@@ -246,6 +246,20 @@ class Store(Catalog):
     def _end_run(self, txn: Any) -> None:
         """The jobs of a transaction ran: write what they left for the end."""
 
+    def wrote(self) -> bool:
+        """Whether the last transaction changed a message record (asked once it committed).
+
+        False only where nothing but the catalog's records changed: every
+        put was taken in the same transaction and never written
+        (mqd_bdb.deferred). Such a transaction needs no sync before its
+        answers go out: after a crash, no message it stored can be missing
+        and none it took can come back. What is lost is its queues' next
+        offsets, which then number the next messages as they would have
+        numbered its own, ids no plain set or get shows (`gets` runs
+        through futures, whose rounds are synced all the same).
+        """
+        return True
+
     def trim(self) -> None:
         """Between batches: give back resources held beyond the configured limits."""
 

@@ -4,9 +4,10 @@ A plain put, take or ack whose caller holds its reply back (a connection,
 see mqd.backend.Holder) runs at once on the event loop, when the store is
 free, in a transaction left open for the rest of that turn of the loop: a
 round. At the end of the turn the round commits without a sync; if any of
-its jobs asked for `Sync.ALWAYS`, the log is synced, and the round's holders
-send their replies once that sync has ended (or the error instead, if the
-round failed and was undone). With `aio_sync`, the kernel syncs the log file
+its jobs asked for `Sync.ALWAYS` and it wrote a message record (not only
+puts it took itself: Store.wrote), the log is synced, and the round's
+holders send their replies once that sync has ended (or the error instead,
+if the round failed and was undone). With `aio_sync`, the kernel syncs the log file
 while the loop goes on (mqd_bdb.logsync; but a round of one job a connection
 the loop syncs itself where syncs are fast: _nothing_to_overlap), and the
 next round stays open until GATHER_TURNS turns of the loop after that sync
@@ -94,6 +95,7 @@ class Round:
     __slots__ = (
         "cause",
         "error",
+        "futures",
         "held",
         "holders",
         "pending",
@@ -114,6 +116,10 @@ class Round:
         self.results: list[jobs.Result] = []  # of the jobs with futures, answered at the end
         self.taken: list[tuple[jobs.Job, Message]] = []  # given back if the sync fails
         self.writers = 0  # its jobs that asked for Sync.ALWAYS
+        # Whether a job with a future ran in it: synced as asked whatever the
+        # store wrote, as its caller may show what a sync must keep (`gets`
+        # shows the id of a message that a put of the round numbered).
+        self.futures = False
         self.periodic = False  # whether any asked for Sync.PERIODIC
         self.error: BaseException | None = None  # a job failed: the round is undone
         self.cause: BaseException | None = None  # what it met (a panic makes the thread recover)
@@ -311,6 +317,7 @@ class Worker:
             r.results.append((job, None, None))
             return False
         r.ran(job[3])
+        r.futures = True
         r.results.append((job, None, value))
         self.jobs += 1
         return True
@@ -337,6 +344,10 @@ class Worker:
             if error is None:
                 store.commit(r.txn, published)
                 committed = True
+                if r.writers and not (r.futures or store.wrote()):
+                    # Its puts were all taken in it, never written: there is
+                    # nothing to sync, and its answers go out now (Store.wrote).
+                    r.writers = 0
                 if r.writers and not self._nothing_to_overlap(r):
                     aio = self._aim()
             else:
