@@ -397,6 +397,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=4, help="memtier -c, per thread")
     p.add_argument("--pipelines", default="1,16", help="pipeline depths, comma-separated")
     p.add_argument("--size", type=int, default=100, help="value bytes")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=1.0,
+        help="seconds of one command per round trip before a system's first figure; "
+        "it and each figure leave a message waiting in some queues (0 and --pipelines 16: "
+        "queues whose consumers keep up)",
+    )
     p.add_argument("--loop", default="uvloop", help="mqd --loop value, if mqd offers the flag")
     p.add_argument("--tmpdir", default=None, help="where data directories go (default: TMPDIR)")
     p.add_argument(
@@ -420,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     mqds = checkouts(a)
     o = Options(
         test_time=a.test_time or (3 if a.quick else 10),
-        warmup=1.0,
+        warmup=a.warmup,
         repeat=a.repeat,
         threads=a.threads,
         clients=a.clients,
