@@ -131,6 +131,12 @@ class Holder:
         return self.ended[-1][0]
 
 
+def put_held(b: _BdbBackend, holder: Holder, body: bytes) -> None:
+    """A plain put to q on the broker's path of held sets (put_now), answered at once."""
+    stored = b.put_now("q", Message(body), ALWAYS, False, NO_LIMITS, None, holder)
+    assert stored is Put.STORED
+
+
 #: Where a round's sync runs, and the keys that put it there: by Linux AIO; on
 #: the event loop (a loop_sync_max_us so high that it does however slow this
 #: disk); on the sync thread.
@@ -182,8 +188,7 @@ def test_held_answers_come_at_once_and_are_released_after_their_sync(
         holder = Holder(b)
         now = b.take_now("q", ALWAYS, holder)
         assert isinstance(now, Message) and now.body == b"second"
-        third = Message(b"third")
-        assert b.put_now("q", third, ALWAYS, False, NO_LIMITS, None, holder) is Put.STORED
+        put_held(b, holder, b"third")
         assert len(holder.pendings) == 1 and not holder.ended
         assert await holder.released() is None
         assert [m.body for m in await drain(b, "q")] == [b"third"]
@@ -200,25 +205,21 @@ def test_a_round_whose_puts_it_took_itself_answers_without_a_sync(
     # missing after a crash, and no taken one come back. A put left over is
     # written, and its round answered only after a sync.
     async def body(b: _BdbBackend) -> None:
-        def put_now(holder: Holder, body: bytes) -> None:
-            stored = b.put_now("q", Message(body), ALWAYS, False, NO_LIMITS, None, holder)
-            assert stored is Put.STORED
-
         await put_and_settle(b, b"first")
         await drain(b, "q")
         flushes = b.worker.flushes
         holder = Holder(b)
         for i in range(5):
-            put_now(holder, b"m%d" % i)
+            put_held(b, holder, b"m%d" % i)
             taken = b.take_now("q", ALWAYS, holder)
             assert isinstance(taken, Message) and taken.body == b"m%d" % i
         assert len(holder.pendings) == 1
         assert await holder.released() is None
         assert holder.ended[0][1] == flushes  # released with no sync at all
-        put_now(holder, b"m5")
+        put_held(b, holder, b"m5")
         taken = b.take_now("q", ALWAYS, holder)
         assert isinstance(taken, Message) and taken.body == b"m5"
-        put_now(holder, b"kept")
+        put_held(b, holder, b"kept")
         assert len(holder.pendings) == 2
         assert await holder.released() is None
         assert holder.ended[1][1] > flushes
@@ -237,30 +238,26 @@ def test_a_round_waits_for_the_connections_the_last_sync_answered(
     # of them opens waits for the rest, so one sync answers them all; and for
     # at most about one sync's duration, should one not come back.
     async def body(b: _BdbBackend) -> None:
-        def put_now(holder: Holder, body: bytes) -> None:
-            stored = b.put_now("q", Message(body), ALWAYS, False, NO_LIMITS, None, holder)
-            assert stored is Put.STORED
-
         await put_and_settle(b, b"first")
         # Syncs that took half a second, and a wait for clients up to that:
         # long enough for this test's turns of the loop, short enough for the
         # last wait, and under the on-loop path's loop_sync_max_us.
         b.worker._sync_s = b.worker._awaited_max_s = 0.5
         early, late = Holder(b), Holder(b)
-        put_now(early, b"a1")
-        put_now(late, b"b1")
+        put_held(b, early, b"a1")
+        put_held(b, late, b"b1")
         assert early.pendings == late.pendings  # one round
         assert await early.released() is None and await late.released() is None
-        put_now(early, b"a2")
+        put_held(b, early, b"a2")
         for _ in range(20):  # well beyond GATHER_TURNS
             await asyncio.sleep(0)
         assert not early.ended[1:]  # its round still waits for `late`
-        put_now(late, b"b2")
+        put_held(b, late, b"b2")
         assert early.pendings[1] is late.pendings[1]
         assert await early.released() is None and await late.released() is None
         assert early.ended[1][1] == late.ended[1][1]  # released by the same sync
         # `late` does not come back this time: the wait ends on its own.
-        put_now(early, b"a3")
+        put_held(b, early, b"a3")
         assert await asyncio.wait_for(early.released(), 10) is None
         assert len(late.pendings) == 2
         bodies = [b"first", b"a1", b"b1", b"a2", b"b2", b"a3"]
