@@ -70,9 +70,12 @@ class DeferredPuts(BodyIndex):
                         return self._take_deferred(name)
                 else:
                     self._write_deferred(txn, None if op in ANY_QUEUE else name)
-            # Any other job may read or change records (a take that finds the
-            # queue empty too: telling it apart is not worth a branch).
-            self._wrote = True
+            value = self._ops[op](txn, name, arg)
+            # A take that found nothing changed nothing (consumers polling an
+            # empty queue cost no sync); any other job may have.
+            if value is not None or op != jobs.TAKE:
+                self._wrote = True
+            return value
         return self._ops[op](txn, name, arg)
 
     def _end_run(self, txn: Any) -> None:

@@ -250,7 +250,8 @@ class Store(Catalog):
         """Whether the last transaction changed a message record (asked once it committed).
 
         False only where nothing but the catalog's records changed: every
-        put was taken in the same transaction and never written
+        put was taken in the same transaction and never written, and every
+        other job was a take, finding a message so or none
         (mqd_bdb.deferred). Such a transaction needs no sync before its
         answers go out: after a crash, no message it stored can be missing
         and none it took can come back. What is lost is its queues' next

@@ -202,13 +202,15 @@ def test_a_round_whose_puts_it_took_itself_answers_without_a_sync(
     name: str, where: str, tmp_path: Path
 ) -> None:
     # Nothing of such a round is on disk to sync: no STORED message can be
-    # missing after a crash, and no taken one come back. A put left over is
-    # written, and its round answered only after a sync.
+    # missing after a crash, and no taken one come back; nor of a take that
+    # found the queue empty. A put left over is written, and its round
+    # answered only after a sync.
     async def body(b: _BdbBackend) -> None:
         await put_and_settle(b, b"first")
         await drain(b, "q")
         flushes = b.worker.flushes
         holder = Holder(b)
+        assert b.take_now("q", ALWAYS, holder) is None  # a take that finds nothing: no write
         for i in range(5):
             put_held(b, holder, b"m%d" % i)
             taken = b.take_now("q", ALWAYS, holder)
