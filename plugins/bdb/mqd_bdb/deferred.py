@@ -7,12 +7,12 @@ own) gets its offset and is counted in at once, like any put, but its record
 is written only when something needs it on disk. A take of a queue with no
 waiting message on disk takes the oldest deferred put instead; such a pair
 writes nothing but the queue's catalog record, which the batch writes anyway
-(its next offset moved). A round of held sets and gets (mqd_bdb.worker) that
-wrote nothing else needs no sync: its answers go out as it commits
-(Store.wrote says why that keeps every promise). As no older message waits, FIFO order is what
+(its next offset moved). As no older message waits, FIFO order is what
 running the jobs one by one gives, and so are the offsets, the counts and
 the gauges. An expired message is handed out as from disk: the broker drops
-it and takes again.
+it and takes again. A round of held sets and gets (mqd_bdb.worker) that
+wrote nothing else needs no sync: its answers go out as it commits
+(Store.wrote says why that keeps every promise).
 
 Any other job on a queue first writes the queue's deferred puts (a job that
 may reach other queues writes them all); the end of the batch writes every

@@ -4,21 +4,22 @@ A plain put, take or ack whose caller holds its reply back (a connection,
 see mqd.backend.Holder) runs at once on the event loop, when the store is
 free, in a transaction left open for the rest of that turn of the loop: a
 round. At the end of the turn the round commits without a sync; if any of
-its jobs asked for `Sync.ALWAYS` and it wrote a message record (not only
-puts it took itself: Store.wrote), the log is synced, and the round's
-holders send their replies once that sync has ended (or the error instead,
-if the round failed and was undone). With `aio_sync`, the kernel syncs the log file
-while the loop goes on (mqd_bdb.logsync; but a round of one job a connection
-the loop syncs itself where syncs are fast: _nothing_to_overlap), and the
-next round stays open until GATHER_TURNS turns of the loop after that sync
-ended are over: one commit and one sync for all that came meanwhile, and
-longer while the connections that sync answered have not sent their next
-command (at most one sync's duration, and MAX_GATHER_S). That is a group
-commit with no future per job. Without Linux AIO, the loop syncs there and
-then where syncs take under `loop_sync_max_us`, as Redis does; otherwise the
-sync thread syncs while the loop goes on, the next round again staying open
-until it is done. Bundles of quick jobs from callers that await futures run
-in the same rounds, and are answered after the same syncs.
+its jobs asked for `Sync.ALWAYS` and it changed a message record (more than
+puts it took itself and takes that found nothing: Store.wrote), the log is
+synced, and the round's holders send their replies once that sync has ended
+(or the error instead, if the round failed and was undone). With `aio_sync`,
+the kernel syncs the log file while the loop goes on (mqd_bdb.logsync; but a
+round of one job a connection the loop syncs itself where syncs are fast:
+_nothing_to_overlap), and the next round stays open until GATHER_TURNS turns
+of the loop after that sync ended are over: one commit and one sync for all
+that came meanwhile, and longer while the connections that sync answered
+have not sent their next command (at most one sync's duration, and
+MAX_GATHER_S). That is a group commit with no future per job. Without Linux
+AIO, the loop syncs there and then where syncs take under
+`loop_sync_max_us`, as Redis does; otherwise the sync thread syncs while the
+loop goes on, the next round again staying open until it is done. Bundles of
+quick jobs from callers that await futures run in the same rounds, and are
+answered after the same syncs.
 
 Everything else goes to the worker thread: the event loop hands jobs over in
 bundles and awaits their futures. The worker takes whatever has arrived
@@ -345,8 +346,9 @@ class Worker:
                 store.commit(r.txn, published)
                 committed = True
                 if r.writers and not (r.futures or store.wrote()):
-                    # Its puts were all taken in it, never written: there is
-                    # nothing to sync, and its answers go out now (Store.wrote).
+                    # Its puts were all taken in it, never written, and its
+                    # other jobs took those or found nothing: there is nothing
+                    # to sync, and its answers go out now (Store.wrote).
                     r.writers = 0
                 if r.writers and not self._nothing_to_overlap(r):
                     aio = self._aim()
