@@ -18,8 +18,10 @@ FanoutSoak does the same with a fanout parent and two children: producers
 must show every STORED message in all three queues, and every unacknowledged
 one in all three or in none (one transaction stores every copy).
 
-Used by plugins/bdb/tests/test_bdb_crash.py (a short run per backend) and
-plugins/bdb/benchmarks/bdb_crash_soak.py (long runs).
+Any durable backend will do: the daemon's config is CONFIG and what the
+backend needs besides (an Aerospike node's address). Used by the durable
+backends' crash tests (a short run each) and benchmarks/crash_soak.py (long
+runs).
 """
 
 from __future__ import annotations
@@ -150,8 +152,9 @@ class Soak:
         producers: int = 3,
         consumers: int = 3,
         seed: int | None = None,
+        config_text: str = "",
     ) -> None:
-        self.daemon = Daemon(workdir, backend=backend, config_text=CONFIG)
+        self.daemon = Daemon(workdir, backend=backend, config_text=CONFIG + config_text)
         self.producers = producers
         self.consumers = consumers
         self.random = random.Random(seed)
@@ -268,6 +271,10 @@ class Soak:
             self.daemon.kill()
         return self.books
 
+    def problems(self) -> list[str]:
+        """What the books show went wrong (none when they balance)."""
+        return self.books.check()
+
     def _prepare(self) -> None:
         """Set up queues before the clients start; nothing to do here."""
 
@@ -319,6 +326,10 @@ class FanoutBooks:
         default_factory=lambda: {queue: set() for queue in FANOUT_QUEUES}
     )
     errors: list[str] = field(default_factory=list)
+    #: Whether one commit stores every copy, so that a set the kill cut off
+    #: left all or none. Not on Aerospike: its Community Edition has no
+    #: multi-record transactions, and each copy is a commit of its own.
+    atomic: bool = True
 
     def copies(self) -> Counter[int]:
         """How many sent messages ended in 0, 1, 2 or 3 of the queues."""
@@ -335,7 +346,7 @@ class FanoutBooks:
             found = [queue for queue, got in where.items() if message in got]
             if message in self.stored and len(found) < len(where):
                 short.append(message)
-            elif 0 < len(found) < len(where):
+            elif self.atomic and 0 < len(found) < len(where):
                 partial.append(message)
         if short:
             problems.append(f"{len(short)} STORED message(s) missing a copy: {_few(set(short))}")
@@ -372,6 +383,9 @@ class FanoutSoak(Soak):
         self.books.stored = self.fanout.stored
         self.books.errors = self.fanout.errors
 
+    def problems(self) -> list[str]:
+        return self.fanout.check()
+
     def _prepare(self) -> None:
         """Make the children exist (a `get` names them) before any parent `set`."""
         client = Client(self.daemon.address)
@@ -390,3 +404,12 @@ class FanoutSoak(Soak):
 
     def _lost_open(self, queue: str, message: bytes) -> None:
         self.fanout.lost_open[queue].add(message)
+
+
+def short_run(soak: Soak, cycles: int = 4) -> None:
+    """A durable backend's crash test: `cycles` kills under load, and books that balance."""
+    soak.run(cycles, min_s=0.3, max_s=1.0)
+    problems = soak.problems()
+    assert not problems, "\n".join(problems) + "\n" + soak.daemon.log()[-3000:]
+    assert soak.kills == cycles
+    assert len(soak.books.stored) > 100, "too little was stored for the kills to matter"
