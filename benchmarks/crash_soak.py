@@ -64,8 +64,7 @@ def storage(backend: str) -> Iterator[str]:
         raise Unavailable(reason)
     with node() as started:
         # Sets of their own: a node named by MQD_AEROSPIKE_HOSTS may hold others.
-        prefix = "soak" + uuid.uuid4().hex[:8]
-        yield f'\n[storage.aerospike]\nhosts = ["{started.host}"]\nset_prefix = "{prefix}"\n'
+        yield started.storage_table("soak" + uuid.uuid4().hex[:8])
 
 
 def main() -> int:
@@ -108,7 +107,7 @@ def run_one(backend: str, config_text: str, args: argparse.Namespace) -> bool:
         fan = FanoutSoak(workdir, backend, args.producers, args.consumers, args.seed, config_text)
         fan.fanout.atomic = backend != "aerospike"  # a commit per copy there (FanoutBooks)
         fan.run(args.cycles, args.min_s, args.max_s)
-        problems = fan.fanout.check()
+        problems = fan.problems()
         copies = fan.fanout.copies()
         print(
             f"{backend:11} {fan.kills} kills in {time.monotonic() - start:.0f} s: "
@@ -123,7 +122,7 @@ def run_one(backend: str, config_text: str, args: argparse.Namespace) -> bool:
         if args.queues != len(Soak.queues):
             soak.queues = soak.targets = tuple(f"crash-{i}" for i in range(args.queues))
         books = soak.run(args.cycles, args.min_s, args.max_s)
-        problems = books.check()
+        problems = soak.problems()
         print(
             f"{backend:11} {soak.kills} kills in {time.monotonic() - start:.0f} s: "
             f"{len(books.sent)} sent, {len(books.stored)} stored, "

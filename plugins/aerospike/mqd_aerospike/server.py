@@ -52,6 +52,10 @@ class Node:
             return None
         return int((self.workdir / "asd.pid").read_text().split()[0])
 
+    def storage_table(self, set_prefix: str) -> str:
+        """A daemon's `[storage.aerospike]` table for this node and sets of `set_prefix`."""
+        return f'\n[storage.aerospike]\nhosts = ["{self.host}"]\nset_prefix = "{set_prefix}"\n'
+
 
 @contextmanager
 def node(data_size: str = "", record_size: str = "") -> Iterator[Node]:

@@ -15,13 +15,8 @@ from mqd.testing.soak import FanoutSoak, Soak, short_run
 from .conftest import prefix_for
 
 
-def storage(node: Node, workdir: Path) -> str:
-    """The daemon's [storage.aerospike] table: this node, sets of the test's own."""
-    return f'\n[storage.aerospike]\nhosts = ["{node.host}"]\nset_prefix = "{prefix_for(workdir)}"\n'
-
-
 def test_sigkill_under_load_loses_no_stored_message(aerospike_node: Node, tmp_path: Path) -> None:
-    config = storage(aerospike_node, tmp_path)
+    config = aerospike_node.storage_table(prefix_for(tmp_path))
     soak = Soak(tmp_path, "aerospike", producers=3, consumers=3, seed=7, config_text=config)
     short_run(soak)
     assert soak.books.taken and soak.books.opened
@@ -30,7 +25,7 @@ def test_sigkill_under_load_loses_no_stored_message(aerospike_node: Node, tmp_pa
 def test_sigkill_during_fanout_sets_keeps_every_stored_copy(
     aerospike_node: Node, tmp_path: Path
 ) -> None:
-    config = storage(aerospike_node, tmp_path)
+    config = aerospike_node.storage_table(prefix_for(tmp_path))
     soak = FanoutSoak(tmp_path, "aerospike", producers=3, consumers=2, seed=11, config_text=config)
     # Each copy is a commit of its own (plugins/aerospike/README.md, Fanout): a
     # set the kill cut off may have left some; every STORED one left all three.
