@@ -8,14 +8,17 @@ On the memcached protocol memtier's parallel key pattern gives each
 connection its own key (queues q1 to q16); the Redis lists are one list.
 
 Systems, each started in turn on a free loopback port with a fresh temporary
-data directory, measured in both shapes, and stopped before the next starts:
+data directory, measured in both shapes, and stopped before the next starts
+(in this order, each mqd beside what it is compared with; every other round
+in the reverse order, so that a machine slowing down or speeding up through
+a round favours no side of a ratio):
 
   mqd memory                --backend memory
-  mqd bdb always            --backend bdb, sync = "always"   (STORED means on disk)
-  mqd bdb periodic          --backend bdb, sync = "periodic" (flushed every 1000 ms)
   memcached -t 2            the same set/get of one key: the reference
-  redis appendfsync no      LPUSH / RPOP, append-only file, never fsynced by Redis
+  mqd bdb always            --backend bdb, sync = "always"   (STORED means on disk)
   redis appendfsync always  LPUSH / RPOP, append-only file fsynced before each reply
+  mqd bdb periodic          --backend bdb, sync = "periodic" (flushed every 1000 ms)
+  redis appendfsync no      LPUSH / RPOP, append-only file, never fsynced by Redis
 
 memtier_benchmark is taken from --memtier, $MEMTIER_BENCHMARK, a
 `shared/tools/memtier_benchmark` beside this repository (or beside any
@@ -239,14 +242,18 @@ OTHER_SYSTEMS = [
 ]
 
 
+#: The order of a round: each mqd system just before what its ratio compares it with.
+ORDER = [MEMORY, MEMCACHED, BDB_ALWAYS, REDIS_ALWAYS, "mqd bdb periodic", REDIS_NO]
+
+
 def systems(mqds: list[Checkout]) -> list[System]:
-    """Every system; each mqd one once per checkout (labelled when there are several)."""
+    """Every system in ORDER; each mqd one once per checkout (labelled when there are several)."""
     out = []
     for name, backend, sync, note in MQD_SYSTEMS:
         for c in mqds:
             label = f"{name} @{c.label}" if len(mqds) > 1 else name
             out.append(System(label, "memcache", _mqd(backend, sync, c, label), note))
-    return out + OTHER_SYSTEMS
+    return sorted(out + OTHER_SYSTEMS, key=lambda s: ORDER.index(s.name.split(" @")[0]))
 
 
 def measure(system: System, driver: Driver, o: Options) -> dict[int, Figures]:
@@ -322,22 +329,35 @@ RATIOS = [
 ]
 
 
-def ratio_table(results: dict[str, dict[int, Figures]], mqds: list[Checkout], o: Options) -> None:
-    def name(base: str, c: Checkout) -> str:
-        if base.startswith("mqd ") and len(mqds) > 1:
-            return f"{base} @{c.label}"
-        return base
-
-    rows = []
+def _targets(mqds: list[Checkout], measured: set[str]) -> list[tuple[str, str, str, str]]:
+    """The RATIOS there are figures for: (label, numerator, denominator, target)."""
+    out = []
     for c in mqds:
         for what, num, den, target in RATIOS:
-            a, b = results.get(name(num, c)), results.get(name(den, c))
-            if a is None or b is None:
-                continue
-            label = f"{what} @{c.label}" if len(mqds) > 1 else what
-            rows.append(
-                [label, *(fmt_ratio(a[p].ops_per_s, b[p].ops_per_s) for p in o.pipelines), target]
-            )
+            a, b = _name(num, c, mqds), _name(den, c, mqds)
+            if a in measured and b in measured:
+                out.append((f"{what} @{c.label}" if len(mqds) > 1 else what, a, b, target))
+    return out
+
+
+def _name(base: str, c: Checkout, mqds: list[Checkout]) -> str:
+    """The name of system `base` of checkout `c` (mqd systems carry the checkout's label)."""
+    if base.startswith("mqd ") and len(mqds) > 1:
+        return f"{base} @{c.label}"
+    return base
+
+
+def ratio_table(results: dict[str, dict[int, Figures]], mqds: list[Checkout], o: Options) -> None:
+    rows = []
+    for label, num, den, target in _targets(mqds, set(results)):
+        top, bottom = results[num], results[den]
+        rows.append(
+            [
+                label,
+                *(fmt_ratio(top[p].ops_per_s, bottom[p].ops_per_s) for p in o.pipelines),
+                target,
+            ]
+        )
     # What durability costs Redis in the same run: the yardstick for the row
     # "bdb always / mqd memory", whose target asks as much of mqd.
     redis_always, redis_no = results.get(REDIS_ALWAYS), results.get(REDIS_NO)
@@ -352,7 +372,7 @@ def ratio_table(results: dict[str, dict[int, Figures]], mqds: list[Checkout], o:
     ref = results.get(MEMCACHED)
     if ref is not None:
         for c in mqds:
-            mem = results.get(name(MEMORY, c))
+            mem = results.get(_name(MEMORY, c, mqds))
             if mem is not None:
                 rows.append(
                     [
@@ -363,7 +383,7 @@ def ratio_table(results: dict[str, dict[int, Figures]], mqds: list[Checkout], o:
                 )
     for c in mqds[1:]:
         for base, *_ in MQD_SYSTEMS:
-            a, b = results.get(name(base, mqds[0])), results.get(name(base, c))
+            a, b = results.get(_name(base, mqds[0], mqds)), results.get(_name(base, c, mqds))
             if a is None or b is None:
                 continue
             rows.append(
@@ -382,6 +402,34 @@ def ratio_table(results: dict[str, dict[int, Figures]], mqds: list[Checkout], o:
             )
     print_table(
         "throughput ratios, same run",
+        ["ratio", *(f"pipeline {p}" for p in o.pipelines), "target"],
+        rows,
+    )
+
+
+def round_table(
+    rounds: list[dict[str, dict[int, Figures]]], mqds: list[Checkout], o: Options
+) -> None:
+    """The target ratios of each round, from figures taken minutes apart at most.
+
+    On a machine whose speed drifts, the ratio of two medians can pair a
+    system's fast round with the other's slow one; these are the spread.
+    """
+    rows = []
+    for label, num, den, target in _targets(mqds, set(rounds[0])):
+        cells = []
+        for p in o.pipelines:
+            each = [
+                r[num][p].ops_per_s / r[den][p].ops_per_s for r in rounds if r[den][p].ops_per_s
+            ]
+            cells.append(
+                " ".join(f"{x:.2f}" for x in each) + f" (median {statistics.median(each):.2f})"
+                if each
+                else "-"
+            )
+        rows.append([label, *cells, target])
+    print_table(
+        "throughput ratios, round by round",
         ["ratio", *(f"pipeline {p}" for p in o.pipelines), "target"],
         rows,
     )
@@ -458,12 +506,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Rounds over all systems rather than one system's runs back to back: a
     # burst of other activity on the machine then hits every system alike.
-    rounds = [{s.name: measure(s, driver, o) for s in chosen} for _ in range(o.repeat)]
+    # Every other round runs in the reverse order, so that a steady drift of
+    # the machine's speed lifts each side of a ratio alike over two rounds.
+    rounds = [
+        {s.name: measure(s, driver, o) for s in (chosen if i % 2 == 0 else chosen[::-1])}
+        for i in range(o.repeat)
+    ]
     results = {
         s.name: {p: _median([r[s.name][p] for r in rounds]) for p in o.pipelines} for s in chosen
     }
     results_table(results, chosen, driver, o)
     ratio_table(results, mqds, o)
+    if o.repeat > 1:
+        round_table(rounds, mqds, o)
     return 0
 
 
