@@ -108,7 +108,18 @@ def test_cancelled_take_gives_the_message_back(name: str, tmp_path: Path) -> Non
 async def put_and_settle(b: _BdbBackend, body: bytes) -> None:
     """Put `body` in q (its files then exist: its puts are quick); wait till the store is free."""
     await put(b, "q", body)
-    while b.worker.lock.locked():
+    await settle(b)
+
+
+async def settle(b: _BdbBackend) -> None:
+    """Wait till the worker thread neither holds nor wants the store, and has nothing to do.
+
+    Then the next held job opens a round on the loop. A round that emptied a
+    queue can set the thread to housekeeping (Store.upkeep_due), which a slow
+    machine reaches in the middle of a test.
+    """
+    w = b.worker
+    while w.lock.locked() or w._wants_store or w._ready or not w.inbox.empty():
         await asyncio.sleep(0.001)
 
 
@@ -208,6 +219,7 @@ def test_a_round_whose_puts_it_took_itself_answers_without_a_sync(
     async def body(b: _BdbBackend) -> None:
         await put_and_settle(b, b"first")
         await drain(b, "q")
+        await settle(b)
         flushes = b.worker.flushes
         holder = Holder(b)
         assert b.take_now("q", ALWAYS, holder) is None  # a take that finds nothing: no write
