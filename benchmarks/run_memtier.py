@@ -68,6 +68,7 @@ REDIS_ALWAYS = "redis appendfsync always"
 REDIS_NO = "redis appendfsync no"
 MEMORY = "mqd memory"
 BDB_ALWAYS = "mqd bdb always"
+BDB_PERIODIC = "mqd bdb periodic"
 QUEUE = "q1"  # what memtier's --key-prefix=q --key-minimum=1 --key-maximum=1 makes
 
 
@@ -233,7 +234,7 @@ def _mqd(backend: str, sync: str | None, c: Checkout, label: str) -> Callable[[O
 MQD_SYSTEMS = [  # name, backend, sync, note
     (MEMORY, "memory", None, "memory only"),
     (BDB_ALWAYS, "bdb", "always", 'sync = "always"'),
-    ("mqd bdb periodic", "bdb", "periodic", 'sync = "periodic", 1000 ms'),
+    (BDB_PERIODIC, "bdb", "periodic", 'sync = "periodic", 1000 ms'),
 ]
 OTHER_SYSTEMS = [
     System(MEMCACHED, "memcache", lambda o: memcached(threads=2), "memory only"),
@@ -243,7 +244,7 @@ OTHER_SYSTEMS = [
 
 
 #: The order of a round: each mqd system just before what its ratio compares it with.
-ORDER = [MEMORY, MEMCACHED, BDB_ALWAYS, REDIS_ALWAYS, "mqd bdb periodic", REDIS_NO]
+ORDER = [MEMORY, MEMCACHED, BDB_ALWAYS, REDIS_ALWAYS, BDB_PERIODIC, REDIS_NO]
 
 
 def systems(mqds: list[Checkout]) -> list[System]:
