@@ -49,15 +49,24 @@ class DeferredPuts(BodyIndex):
     def __init__(self, data_dir: Path, config: BdbConfig) -> None:
         super().__init__(data_dir, config)
         self._deferred: dict[str, Deferred] = {}  # by queue name, in the running batch
-        self._wrote = False  # whether the running batch reached a message record (wrote())
+        # The queues whose message records the running batch reached, None: any (written()).
+        self._written: set[str] | None = set()
 
     def _start_run(self) -> None:
         # What an aborted transaction deferred went with it: start afresh.
         self._deferred = {}
-        self._wrote = False
+        self._written = set()
 
-    def wrote(self) -> bool:
-        return self._wrote
+    def written(self) -> set[str] | None:
+        return self._written
+
+    def _wrote_to(self, name: str | None) -> None:
+        """The running batch reached message records of queue `name` (None: of any)."""
+        written = self._written
+        if name is None:
+            self._written = None
+        elif written is not None:
+            written.add(name)
 
     def run_job(self, txn: Any, op: int, name: str, arg: Any) -> Any:
         if op != jobs.PUT:
@@ -74,7 +83,7 @@ class DeferredPuts(BodyIndex):
             # A take that found nothing changed nothing (consumers polling an
             # empty queue cost no sync); any other job may have.
             if value is not None or op != jobs.TAKE:
-                self._wrote = True
+                self._wrote_to(name if op == jobs.TAKE else None)
             return value
         return self._ops[op](txn, name, arg)
 
@@ -89,7 +98,7 @@ class DeferredPuts(BodyIndex):
         if unique or jobs.bounded(limits) or (children is not None and name in self.children):
             # A fanout parent's copies go through put() again, each child for itself.
             self._write_deferred(txn, name)
-            self._wrote = True
+            self._wrote_to(name if children is None else None)
             return super().put(txn, name, arg)
         q = self.queues.get(name)
         if q is None:
@@ -129,9 +138,8 @@ class DeferredPuts(BodyIndex):
         else:
             pair = deferred.pop(name, None)
             pairs = [] if pair is None else [pair]
-        if pairs:
-            self._wrote = True
         for q, waiting in pairs:
+            self._wrote_to(q.name)
             if q.head_dirty and q.items == len(waiting):
                 # The head is unknown (what was the head left the queue), and
                 # these are all the queue holds (none waits on disk, none is

@@ -259,7 +259,16 @@ class Store(Catalog):
         numbered its own, ids no plain set or get shows (`gets` runs
         through futures, whose rounds are synced all the same).
         """
-        return True
+        written = self.written()
+        return written is None or bool(written)
+
+    def written(self) -> set[str] | None:
+        """The queues whose message records the last transaction changed; None: any may have.
+
+        What wrote() says, queue by queue: the answers of jobs on the other
+        queues need no sync (Worker._answer_early).
+        """
+        return None
 
     def trim(self) -> None:
         """Between batches: give back resources held beyond the configured limits."""

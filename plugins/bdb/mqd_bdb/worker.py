@@ -7,7 +7,9 @@ round. At the end of the turn the round commits without a sync; if any of
 its jobs asked for `Sync.ALWAYS` and it changed a message record (more than
 puts it took itself and takes that found nothing: Store.wrote), the log is
 synced, and the round's holders send their replies once that sync has ended
-(or the error instead, if the round failed and was undone). With `aio_sync`,
+(or the error instead, if the round failed and was undone); but a holder
+whose jobs left the message records of their queues as they were is
+answered as the sync starts (_answer_early). With `aio_sync`,
 the kernel syncs the log file while the loop goes on (mqd_bdb.logsync; but a
 round of one job a connection the loop syncs itself where syncs are fast:
 _nothing_to_overlap), and the next round stays open until GATHER_TURNS turns
@@ -98,10 +100,11 @@ class Round:
         "error",
         "futures",
         "held",
-        "holders",
-        "pending",
+        "pendings",
         "periodic",
+        "queue",
         "results",
+        "runs",
         "taken",
         "txn",
         "writers",
@@ -109,13 +112,18 @@ class Round:
 
     def __init__(self, txn: Any) -> None:
         self.txn = txn
-        self.pending = Pending()  # the holders of its answers
-        # The holder last told to hold for it: told once for a run of its jobs
-        # (a connection's pipeline), not once a job, as it holds until the end.
+        # Each holder of its answers, in order, with the Pending it holds for:
+        # one each, so that those the sync keeps nothing of can go first
+        # (Worker._answer_early).
+        self.pendings: dict[Holder, Pending] = {}
+        # The holder that ran the last job, and that job's queue: a run of jobs
+        # (a connection's pipeline) is looked at once, not once a job.
         self.held: Holder | None = None
-        self.holders: list[Holder] = []  # every holder told, in order (one may come twice)
+        self.queue: str | None = None
+        self.runs: list[tuple[Holder, str]] = []  # (holder, queue) of each run
         self.results: list[jobs.Result] = []  # of the jobs with futures, answered at the end
-        self.taken: list[tuple[jobs.Job, Message]] = []  # given back if the sync fails
+        # Given back if the sync fails, unless their holder was answered first.
+        self.taken: list[tuple[jobs.Job, Message, Holder]] = []
         self.writers = 0  # its jobs that asked for Sync.ALWAYS
         # Whether a job with a future ran in it: synced as asked whatever the
         # store wrote, as its caller may show what a sync must keep (`gets`
@@ -267,17 +275,23 @@ class Worker:
         elif r.error is not None or self._outstanding or not self.store.quick(job):
             return LATER
         if holder is not r.held:
-            holder.hold(r.pending)
+            if holder not in r.pendings:
+                pending = r.pendings[holder] = Pending()
+                holder.hold(pending)
+                self._awaited.discard(holder)
             r.held = holder
-            r.holders.append(holder)
-            self._awaited.discard(holder)
+            r.queue = None
+        name = job[1]
+        if name != r.queue:
+            r.queue = name
+            r.runs.append((holder, name))
         try:
-            value = self.store.run_job(r.txn, job[0], job[1], job[2])
+            value = self.store.run_job(r.txn, job[0], name, job[2])
         except Exception as exc:
             raise r.fail(exc) from exc
         r.ran(job[3])
         if value is not None and job[0] == jobs.TAKE:
-            r.taken.append((job, value))
+            r.taken.append((job, value, holder))
         self.jobs += 1
         return value
 
@@ -375,7 +389,8 @@ class Worker:
             self._unsynced.append((self._seq, r, results, published, None))
             self._syncing = True
             if aio is not None and self._submit(aio, self._seq):
-                pass  # the kernel syncs while the loop goes on; _aio_synced answers
+                # The kernel syncs while the loop goes on; _aio_synced answers.
+                self._answer_early(r)
             elif self._sync_s < self._loop_sync_max_s:
                 # A fast disk: the loop syncs the round itself, as Redis does.
                 # Handing the sync to the thread and back costs two wake-ups
@@ -387,10 +402,49 @@ class Worker:
                 # next round runs meanwhile, and its sync covers all that came
                 # since.
                 self._sync_asks.put(self._seq)
+                self._answer_early(r)
         elif self._unsynced:
             self._unsynced.append((0, r, results, published, error))  # after those ahead
         else:
             self._answer(r, results, published, error)
+
+    def _answer_early(self, r: Round) -> None:
+        """Answer now, before its sync, each holder of round `r` that the sync keeps nothing of.
+
+        That is a holder whose jobs ran on queues whose message records the
+        round left as they were (Store.written): its sets were taken in the
+        round, its gets took those or found nothing. As for a round that
+        wrote nothing (Store.wrote), a crash can lose no message such
+        answers stored nor bring back one they took. A queue a holder that
+        waits for the sync used makes every holder that used it wait too:
+        a message one connection stored may be what the other took. And a
+        holder answered first must not be held by an earlier round as well:
+        only this round awaits a sync (one at a time).
+
+        Under a steady load, queues whose consumers keep up are answered
+        without waiting for the disk, while queues with a backlog are synced;
+        their connections' next commands run meanwhile.
+        """
+        if r.futures or len(self._unsynced) != 1:
+            return
+        written = self.store.written()
+        if written is None:
+            return
+        runs = r.runs
+        waiting = {holder for holder, name in runs if name in written}
+        while True:
+            shared = {name for holder, name in runs if holder in waiting}
+            more = {holder for holder, name in runs if name in shared} - waiting
+            if not more:
+                break
+            waiting |= more
+        pendings = r.pendings
+        early = [holder for holder in pendings if holder not in waiting]
+        if not early:
+            return
+        for holder in early:
+            pendings.pop(holder).end(None)
+        r.taken = [taken for taken in r.taken if taken[2] in waiting]
 
     def _nothing_to_overlap(self, r: Round) -> bool:
         """Whether round `r` is best synced by the loop itself, even with Linux AIO.
@@ -402,7 +456,7 @@ class Worker:
         loop's own sync ends sooner, with no kernel worker to wake and no
         eventfd to hear (126 against 192 us at p50 in bdb_log_sync.py).
         """
-        return r.writers <= len(r.holders) and self._sync_s < self._loop_sync_max_s
+        return r.writers <= len(r.pendings) and self._sync_s < self._loop_sync_max_s
 
     def _aim(self) -> LogSync | None:
         """Linux AIO, aimed at the log file the round's commit went to; None: sync otherwise."""
@@ -447,9 +501,9 @@ class Worker:
         answered: list[Holder] = []
         while unsynced and unsynced[0][0] <= done:
             seq, r, results, published, failed = unsynced.popleft()
-            answered += r.holders
+            answered += r.pendings
             if seq and error is not None:
-                for job, message in r.taken:
+                for job, message, _ in r.taken:
                     self.give_back(job, message)
                 results = self._unflushed(results, error)
                 failed = error
@@ -469,7 +523,7 @@ class Worker:
         self._awaited_until = time.monotonic() + min(self._sync_s, self._awaited_max_s)
         open_round = self._loop_round
         if open_round is not None:
-            awaited.difference_update(open_round.holders)
+            awaited.difference_update(open_round.pendings)
         if self._end_due:
             # The open round ends a few turns of the loop later, not here:
             # what this turn still reads joins it, and so does what the next
@@ -502,7 +556,8 @@ class Worker:
         self._note(False, r.periodic)
         if results or published:
             self.deliver(results, published)
-        r.pending.end(error)
+        for pending in r.pendings.values():
+            pending.end(error)
 
     def _sync(self) -> None:
         """The sync thread: sync the log whenever the loop asks, then tell it."""

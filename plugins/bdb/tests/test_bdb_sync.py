@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ from bdb_helpers import ALWAYS, FIFO_NAMES, NAMES, drain, make, put, session
 from berkeleydb import db
 from mqd_bdb.backend import _BdbBackend
 
-from mqd.backend import NO_LIMITS, Message, Pending, Put, Sync
+from mqd.backend import LATER, NO_LIMITS, Message, Pending, Put, Sync
 from mqd.config import Config
 from mqd.connection import Connection
 from mqd.errors import StorageError
@@ -123,18 +124,26 @@ async def settle(b: _BdbBackend) -> None:
         await asyncio.sleep(0.001)
 
 
+#: Numbers the releases of every Holder, in the order they come.
+RELEASES = itertools.count()
+
+
 class Holder:
     """A caller that holds its replies: when its Pending ended, and how."""
 
     def __init__(self, backend: _BdbBackend) -> None:
         self.backend = backend
         self.pendings: list[Pending] = []
-        self.ended: list[tuple[BaseException | None, int]] = []  # (error, flushes by then)
+        # (error, flushes by then, its place among all holders' releases)
+        self.ended: list[tuple[BaseException | None, int, int]] = []
 
     def hold(self, pending: Pending) -> None:
         if pending not in self.pendings:
             self.pendings.append(pending)
-            pending.add(lambda error: self.ended.append((error, self.backend.worker.flushes)))
+            pending.add(self._ended)
+
+    def _ended(self, error: BaseException | None) -> None:
+        self.ended.append((error, self.backend.worker.flushes, next(RELEASES)))
 
     async def released(self) -> BaseException | None:
         while len(self.ended) < len(self.pendings):
@@ -142,10 +151,25 @@ class Holder:
         return self.ended[-1][0]
 
 
-def put_held(b: _BdbBackend, holder: Holder, body: bytes) -> None:
-    """A plain put to q on the broker's path of held sets (put_now), answered at once."""
-    stored = b.put_now("q", Message(body), ALWAYS, False, NO_LIMITS, None, holder)
+def put_held(b: _BdbBackend, holder: Holder, body: bytes, queue: str = "q") -> None:
+    """A plain put on the broker's path of held sets (put_now), answered at once."""
+    stored = b.put_now(queue, Message(body), ALWAYS, False, NO_LIMITS, None, holder)
     assert stored is Put.STORED
+
+
+def take_held(b: _BdbBackend, holder: Holder, queue: str) -> bytes | None:
+    """A plain take on the broker's path of held gets (take_now): the body it took."""
+    taken = b.take_now(queue, ALWAYS, holder)
+    assert taken is not LATER
+    return None if taken is None else taken.body
+
+
+async def make_empty(b: _BdbBackend, *queues: str) -> None:
+    """Make `queues`, empty but with their files: held sets and gets of them run in rounds."""
+    for queue in queues:
+        await put(b, queue, b"made")
+        await drain(b, queue)
+    await settle(b)
 
 
 #: Where a round's sync runs, and the keys that put it there: by Linux AIO; on
@@ -244,6 +268,46 @@ def test_a_round_whose_puts_it_took_itself_answers_without_a_sync(
 
 @EACH_PATH
 @pytest.mark.parametrize("name", NAMES)
+def test_holders_the_sync_keeps_nothing_of_are_answered_before_it(
+    name: str, where: str, tmp_path: Path
+) -> None:
+    # In a round that must be synced, a connection whose jobs left the
+    # message records of their queues as they were (each set taken in the
+    # round, each get taking one of those or finding nothing) is answered as
+    # the sync starts, not once it ends. Not one that shares a queue with a
+    # connection that waits: what one stored may be what the other took.
+    # Where the loop syncs the round itself, and with bdb-random (whose
+    # takes are not paired with the round's puts), all are answered together.
+    async def body(b: _BdbBackend) -> None:
+        await make_empty(b, "p", "s")
+        await put_and_settle(b, b"first")
+        flushes = b.worker.flushes
+        backlog, paired, shared = Holder(b), Holder(b), Holder(b)
+        assert take_held(b, backlog, "q") == b"first"
+        put_held(b, backlog, b"kept")
+        assert take_held(b, paired, "p") is None
+        for i in range(3):
+            put_held(b, paired, b"p%d" % i, "p")
+            assert take_held(b, paired, "p") == b"p%d" % i
+        put_held(b, shared, b"s0", "s")
+        assert take_held(b, backlog, "s") == b"s0"
+        for holder in (backlog, paired, shared):
+            assert await holder.released() is None
+        (_, synced, after), (_, with_shared, _) = backlog.ended[0], shared.ended[0]
+        assert synced == with_shared == flushes + 1
+        _, first, before = paired.ended[0]
+        if where == "on-loop" or name == "bdb-random":
+            assert first == synced
+        else:
+            assert first == flushes and before < after
+        for queue, left in (("q", [b"kept"]), ("p", []), ("s", [])):
+            assert [m.body for m in await drain(b, queue)] == left
+
+    sync_session(name, tmp_path, where, body)
+
+
+@EACH_PATH
+@pytest.mark.parametrize("name", NAMES)
 def test_a_round_waits_for_the_connections_the_last_sync_answered(
     name: str, where: str, tmp_path: Path
 ) -> None:
@@ -260,14 +324,13 @@ def test_a_round_waits_for_the_connections_the_last_sync_answered(
         early, late = Holder(b), Holder(b)
         put_held(b, early, b"a1")
         put_held(b, late, b"b1")
-        assert early.pendings == late.pendings  # one round
         assert await early.released() is None and await late.released() is None
+        assert early.ended[0][1] == late.ended[0][1]  # one round, one sync
         put_held(b, early, b"a2")
         for _ in range(20):  # well beyond GATHER_TURNS
             await asyncio.sleep(0)
         assert not early.ended[1:]  # its round still waits for `late`
         put_held(b, late, b"b2")
-        assert early.pendings[1] is late.pendings[1]
         assert await early.released() is None and await late.released() is None
         assert early.ended[1][1] == late.ended[1][1]  # released by the same sync
         # `late` does not come back this time: the wait ends on its own.
@@ -384,31 +447,49 @@ def fail_next_sync(b: _BdbBackend) -> Callable[[], bool]:
 @EACH_PATH
 @pytest.mark.parametrize("name", NAMES)
 def test_a_failed_sync_fails_its_round(name: str, where: str, tmp_path: Path) -> None:
-    """Its held answers are the error; the messages its takes took are given back."""
+    """Its held answers are the error; the messages its takes took are given back.
+
+    But not those of a holder answered before the sync (it needed nothing of
+    it): a message it stored and took itself stays taken.
+    """
 
     async def body(b: _BdbBackend) -> None:
+        await make_empty(b, "p")
         await put_and_settle(b, b"kept")
         failed = fail_next_sync(b)
-        holder = Holder(b)
+        holder, paired = Holder(b), Holder(b)
         taken = await b.take("q", sync=ALWAYS, holder=holder)
         assert taken is not None and taken.body == b"kept"
         assert await b.put("q", Message(b"unsure"), sync=ALWAYS, holder=holder) is Put.STORED
+        put_held(b, paired, b"pair", "p")
+        assert take_held(b, paired, "p") == b"pair"
         error = await holder.released()
         assert failed()
         assert isinstance(error, StorageError) and "I/O error" in str(error)
+        early = where != "on-loop" and name != "bdb-random"
+        assert await paired.released() is (None if early else error)
+        if not early:  # failed with the round: its take is given back too
+            assert [m.body for m in await drain_all(b, "p", 1)] == [b"pair"]
         # Committed, not known to be on disk: the take is given back (the
         # client was told it failed); the put may stay, as an unacknowledged
         # set may have landed. The worker thread gives it back: a take the
         # loop runs first may not see it yet, so drain until both are out.
-        bodies: list[bytes] = []
-        for _ in range(500):
-            bodies += [m.body for m in await drain(b, "q")]
-            if len(bodies) >= 2:
-                break
-            await asyncio.sleep(0.01)
+        bodies = [m.body for m in await drain_all(b, "q", 2)]
         assert sorted(bodies) == [b"kept", b"unsure"]
+        assert await drain(b, "p") == []
 
     sync_session(name, tmp_path, where, body)
+
+
+async def drain_all(b: _BdbBackend, queue: str, count: int) -> list[Message]:
+    """Drain `queue` until `count` messages are out (the worker thread gives some back)."""
+    taken: list[Message] = []
+    for _ in range(500):
+        taken += await drain(b, queue)
+        if len(taken) >= count:
+            break
+        await asyncio.sleep(0.01)
+    return taken
 
 
 def newest_log_file(env: Any) -> Path:
