@@ -212,6 +212,7 @@ class Worker:
         self.loop_flushes = 0  # of those, run on the event loop
         self.aio_flushes = 0  # of those, by Linux AIO
         self.rounds = 0  # rounds run on the event loop
+        self.early = 0  # holders of synced rounds answered as the sync started
 
     # -- loop side -----------------------------------------------------------
 
@@ -442,6 +443,7 @@ class Worker:
         early = [holder for holder in pendings if holder not in waiting]
         if not early:
             return
+        self.early += len(early)
         for holder in early:
             pendings.pop(holder).end(None)
         r.taken = [taken for taken in r.taken if taken[2] in waiting]
@@ -761,7 +763,8 @@ class Worker:
     def _close(self, stop: jobs.Job) -> None:
         log.debug(
             "Berkeley DB worker: %d jobs in %d batches and %d rounds on the event loop, "
-            "%d log syncs of %.0f us (%d on the event loop), %d puts taken in their own batch",
+            "%d log syncs of %.0f us (%d on the event loop), %d puts taken in their own batch, "
+            "%d connections answered before their round's sync",
             self.jobs,
             self.batches,
             self.rounds,
@@ -769,6 +772,7 @@ class Worker:
             self._sync_s * 1e6,
             self.loop_flushes,
             self.store.paired,
+            self.early,
         )
         with self._keeper_cond:
             self._keeper_stop = True
