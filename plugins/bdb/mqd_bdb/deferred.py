@@ -60,9 +60,6 @@ class DeferredPuts(BodyIndex):
     def written(self) -> set[str] | None:
         return self._written
 
-    def settled(self) -> bool:
-        return self._written == set() and not self._deferred
-
     def _wrote_to(self, name: str | None) -> None:
         """The running batch reached message records of queue `name` (None: of any)."""
         written = self._written

@@ -270,14 +270,6 @@ class Store(Catalog):
         """
         return None
 
-    def settled(self) -> bool:
-        """Whether a commit now would change no message record (asked of the open transaction).
-
-        True only where wrote() would then be False: none reached so far,
-        and none left for the commit to write (deferred puts).
-        """
-        return False
-
     def trim(self) -> None:
         """Between batches: give back resources held beyond the configured limits."""
 

@@ -9,9 +9,7 @@ puts it took itself and takes that found nothing: Store.wrote), the log is
 synced, and the round's holders send their replies once that sync has ended
 (or the error instead, if the round failed and was undone); but a holder
 whose jobs left the message records of their queues as they were is
-answered as the sync starts (_answer_early), and a later round that writes
-no message record, none of whose holders shares a queue with one that waits,
-commits and answers while the sync runs (_free_of_sync). With `aio_sync`,
+answered as the sync starts (_answer_early). With `aio_sync`,
 the kernel syncs the log file while the loop goes on (mqd_bdb.logsync; but a
 round of one job a connection the loop syncs itself where syncs are fast:
 _nothing_to_overlap), and the next round stays open until GATHER_TURNS turns
@@ -105,7 +103,6 @@ class Round:
         "pendings",
         "periodic",
         "queue",
-        "rechecked",
         "results",
         "runs",
         "taken",
@@ -124,7 +121,6 @@ class Round:
         self.held: Holder | None = None
         self.queue: str | None = None
         self.runs: list[tuple[Holder, str]] = []  # (holder, queue) of each run
-        self.rechecked = False  # whether Worker._recheck is due for it this turn
         self.results: list[jobs.Result] = []  # of the jobs with futures, answered at the end
         # Given back if the sync fails, unless their holder was answered first.
         self.taken: list[tuple[jobs.Job, Message, Holder]] = []
@@ -177,10 +173,6 @@ class Worker:
         self._seq = 0
         self._syncing = False  # whether a sync the loop asked for has not answered yet
         self._end_due = False  # whether the open round ends once it has
-        # Of the round being synced: the holders that wait for the sync and the
-        # queues they used, which a round must not touch to end before the sync
-        # does (_free_of_sync); None: no round may.
-        self._held_back: tuple[set[Holder], set[str]] | None = None
         # The holders the last sync answered that have not run a job in the
         # open round since, and until when a round waits for them.
         self._awaited: set[Holder] = set()
@@ -301,9 +293,6 @@ class Worker:
         r.ran(job[3])
         if value is not None and job[0] == jobs.TAKE:
             r.taken.append((job, value, holder))
-        if self._end_due and not r.rechecked:
-            r.rechecked = True
-            self.loop.call_soon(self._recheck, r)
         self.jobs += 1
         return value
 
@@ -358,13 +347,9 @@ class Worker:
         """
         r = self._loop_round
         assert r is not None
-        free = False  # ending while a sync runs, needing none (_free_of_sync)
         if r.error is None and self._syncing:
-            if not self._free_of_sync(r):
-                self._end_due = True
-                return
-            free = True
-            self._end_due = False
+            self._end_due = True
+            return
         self._loop_round = None
         store = self.store
         published: Published = {}
@@ -419,31 +404,10 @@ class Worker:
                 # since.
                 self._sync_asks.put(self._seq)
                 self._answer_early(r)
-        elif self._unsynced and not free:
+        elif self._unsynced:
             self._unsynced.append((0, r, results, published, error))  # after those ahead
         else:
             self._answer(r, results, published, error)
-
-    def _free_of_sync(self, r: Round) -> bool:
-        """Whether round `r`, open while a sync runs, may commit and answer now.
-
-        Yes when it will change no message record (Store.settled) and none of
-        its holders waits for that sync nor used a queue one that does used:
-        what it answers then depends on nothing the sync keeps, as with
-        _answer_early. Connections on queues that keep up go on so while the
-        disk syncs the others.
-        """
-        held_back = self._held_back
-        if held_back is None or r.futures or not self.store.settled():
-            return False
-        holders, queues = held_back
-        return all(holder not in holders and name not in queues for holder, name in r.runs)
-
-    def _recheck(self, r: Round) -> None:
-        """Jobs joined round `r` while it waited for a sync: may it end now (_free_of_sync)?"""
-        r.rechecked = False
-        if self._loop_round is r and r.error is None and self._syncing and self._end_due:
-            self._end_round()
 
     def _answer_early(self, r: Round) -> None:
         """Answer now, before its sync, each holder of round `r` that the sync keeps nothing of.
@@ -462,7 +426,6 @@ class Worker:
         without waiting for the disk, while queues with a backlog are synced;
         their connections' next commands run meanwhile.
         """
-        self._held_back = None
         if r.futures or len(self._unsynced) != 1:
             return
         written = self.store.written()
@@ -476,7 +439,6 @@ class Worker:
             if not more:
                 break
             waiting |= more
-        self._held_back = (waiting, shared)
         pendings = r.pendings
         early = [holder for holder in pendings if holder not in waiting]
         if not early:
@@ -552,7 +514,6 @@ class Worker:
         self._syncing = self._seq > done
         if self._syncing:
             return
-        self._held_back = None
         # The next round waits for the clients just answered to send their
         # next command (one command per round trip, they send it at once),
         # up to one sync's duration: all of it is answered after the next

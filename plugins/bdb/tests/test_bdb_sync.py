@@ -6,7 +6,6 @@ import asyncio
 import errno
 import itertools
 import os
-import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -391,102 +390,6 @@ class _FailingOnce:
             raise db.DBError(errno.EIO, "I/O error")
 
         return fail
-
-
-class _HeldFlush:
-    """A Berkeley DB environment whose log_flush waits until `go` is set."""
-
-    def __init__(self, env: Any, go: threading.Event) -> None:
-        self._env = env
-        self._go = go
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._env, name)
-
-    def log_flush(self) -> None:
-        self._go.wait(10)
-        self._env.log_flush()
-
-
-def hold_next_sync(b: _BdbBackend) -> Callable[[], None]:
-    """The next sync of a round is not over until the function returned is called.
-
-    On the sync thread, Berkeley DB's log_flush waits for it; with Linux AIO,
-    the kernel's answer is kept back until then. Calling it again does nothing.
-    """
-    worker = b.worker
-    aio = worker._aio
-    if aio is None:
-        store = worker.store
-        env, go = store.env, threading.Event()
-        store.env = _HeldFlush(env, go)
-
-        def release() -> None:
-            go.set()
-            store.env = env
-
-        return release
-    answer = aio.done
-    kept: list[tuple[int, OSError | None]] = []
-    aio.done = lambda number, error: kept.append((number, error))
-
-    def release_aio() -> None:
-        aio.done = answer
-        while kept:
-            answer(*kept.pop(0))
-
-    return release_aio
-
-
-async def turns(count: int) -> None:
-    """Let the event loop go round `count` times."""
-    for _ in range(count):
-        await asyncio.sleep(0)
-
-
-@pytest.mark.parametrize("where", ["aio", "on-thread"])
-@pytest.mark.parametrize("name", NAMES)
-def test_rounds_apart_from_the_sync_in_flight_end_before_it(
-    name: str, where: str, tmp_path: Path
-) -> None:
-    # While a round is synced, a later round commits and answers at once if
-    # it changes no message record and none of its holders waits for that
-    # sync or shares a queue with one that does; any other stays open until
-    # the sync ends. A pair on the queue whose message the synced round took
-    # waits: were that take lost, the older message would come back. And
-    # bdb-random writes every put.
-    async def body(b: _BdbBackend) -> None:
-        await make_empty(b, "p")
-        await put_and_settle(b, b"first")
-        flushes = b.worker.flushes
-        release = hold_next_sync(b)
-        backlog, paired, other = Holder(b), Holder(b), Holder(b)
-        free = name != "bdb-random"
-        try:
-            assert take_held(b, backlog, "q") == b"first"
-            put_held(b, paired, b"p0", "p")
-            assert take_held(b, paired, "p") == b"p0"
-            await turns(3)
-            assert b.worker._syncing and not backlog.ended
-            put_held(b, paired, b"p1", "p")  # rounds run while that sync does
-            assert take_held(b, paired, "p") == b"p1"
-            await turns(3)
-            assert len(paired.ended) == (2 if free else 0) and not backlog.ended
-            put_held(b, other, b"x")  # q: a waiting holder's queue
-            assert take_held(b, other, "q") == b"x"
-            await turns(3)
-            assert not other.ended and not backlog.ended
-        finally:
-            release()  # else the backend could not close
-        for holder in (backlog, paired, other):
-            assert await holder.released() is None
-        assert backlog.ended[0][1] == flushes + 1
-        assert other.ended[0][1] == flushes + (1 if free else 2)  # written: its own sync
-        if free:
-            assert [ended[1] for ended in paired.ended] == [flushes, flushes]
-        assert await drain(b, "q") == [] and await drain(b, "p") == []
-
-    sync_session(name, tmp_path, where, body)
 
 
 @pytest.mark.parametrize("name", NAMES)
