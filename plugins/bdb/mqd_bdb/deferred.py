@@ -91,6 +91,17 @@ class DeferredPuts(BodyIndex):
         if self._deferred:
             self._write_deferred(txn, None)
 
+    def settle(self, txn: Any, name: str) -> None:
+        # Deferred puts behind messages that still wait on disk are written
+        # now, between one connection's commands and the next's, not at the
+        # commit, which the sync and every answer wait for. No take of this
+        # transaction reaches them before it has taken one of those, from
+        # disk, which its sync covers anyway; a connection's own takes,
+        # already run, paired what they could.
+        pair = self._deferred.get(name)
+        if pair is not None and pair[0].items - pair[0].open > len(pair[1]):
+            self._write_deferred(txn, name)
+
     def put(
         self, txn: Any, name: str, arg: tuple[Message, bool, Limits, ChildLimits | None]
     ) -> Put:

@@ -40,6 +40,14 @@ class FifoStore(DeferredPuts):
             rec = first_waiting(cur, q.mpre + u64(q.hint), q.mpre)
             if rec is not None:
                 cur.delete()
+                if not q.open:
+                    # With none open, nothing sorts before the hint: the
+                    # record taken was the head, and the one after it is the
+                    # next. Read here, one step on, rather than looked up
+                    # again by the end of the batch (Catalog._head); what
+                    # follows may be another queue's, or none (set_head).
+                    self._touch(q)
+                    q.set_head(cur.next())
             return rec
         finally:
             cur.close()

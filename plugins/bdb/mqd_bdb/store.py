@@ -246,6 +246,10 @@ class Store(Catalog):
     def _end_run(self, txn: Any) -> None:
         """The jobs of a transaction ran: write what they left for the end."""
 
+    def settle(self, txn: Any, name: str) -> None:
+        """A caller's run of jobs on queue `name` ended, others' may follow in `txn`:
+        write now what the end of the transaction need not wait for."""
+
     def wrote(self) -> bool:
         """Whether the last transaction changed a message record (asked once it committed).
 

@@ -275,7 +275,9 @@ class Worker:
                 return LATER
         elif r.error is not None or self._outstanding or not self.store.quick(job):
             return LATER
+        settled = None  # the queue another caller's run of jobs ended on
         if holder is not r.held:
+            settled = r.queue
             if holder not in r.pendings:
                 pending = r.pendings[holder] = Pending()
                 holder.hold(pending)
@@ -287,6 +289,8 @@ class Worker:
             r.queue = name
             r.runs.append((holder, name))
         try:
+            if settled is not None:
+                self.store.settle(r.txn, settled)
             value = self.store.run_job(r.txn, job[0], name, job[2])
         except Exception as exc:
             raise r.fail(exc) from exc

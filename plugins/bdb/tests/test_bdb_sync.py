@@ -306,6 +306,40 @@ def test_holders_the_sync_keeps_nothing_of_are_answered_before_it(
     sync_session(name, tmp_path, where, body)
 
 
+@pytest.mark.parametrize("name", FIFO_NAMES)
+def test_puts_behind_a_backlog_are_written_as_the_next_connection_runs(
+    name: str, tmp_path: Path
+) -> None:
+    # A connection's puts to a queue with messages waiting on disk are
+    # written as soon as another connection's jobs run, not at the commit:
+    # a take reaches them only after one from disk, which the sync covers
+    # anyway. Puts to a queue with none waiting stay deferred for the
+    # takes of any connection in the round to pair with.
+    async def body(b: _BdbBackend) -> None:
+        await make_empty(b, "p")
+        await put_and_settle(b, b"old")
+        store = b.worker.store
+        paired = store.paired
+        producer, consumer = Holder(b), Holder(b)
+        put_held(b, producer, b"new")
+        assert take_held(b, consumer, "q") == b"old"
+        assert take_held(b, consumer, "q") == b"new"
+        assert store.paired == paired  # written, then taken from disk
+        put_held(b, producer, b"p0", "p")
+        assert take_held(b, consumer, "p") == b"p0"
+        assert store.paired == paired + 1
+        assert await producer.released() is None and await consumer.released() is None
+        assert producer.ended[0][1] == consumer.ended[0][1] > 0  # one round, synced
+        assert await drain(b, "q") == [] and await drain(b, "p") == []
+
+    session(name, tmp_path, body)
+
+    async def after(b: _BdbBackend) -> None:
+        assert await drain(b, "q") == [] and await drain(b, "p") == []
+
+    session(name, tmp_path, after)
+
+
 @EACH_PATH
 @pytest.mark.parametrize("name", NAMES)
 def test_a_round_waits_for_the_connections_the_last_sync_answered(
