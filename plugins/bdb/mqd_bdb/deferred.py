@@ -60,6 +60,9 @@ class DeferredPuts(BodyIndex):
     def written(self) -> set[str] | None:
         return self._written
 
+    def quiet(self) -> bool:
+        return not (self._written is None or self._written or self._deferred)
+
     def _wrote_to(self, name: str | None) -> None:
         """The running batch reached message records of queue `name` (None: of any)."""
         written = self._written

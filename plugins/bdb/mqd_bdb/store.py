@@ -266,6 +266,11 @@ class Store(Catalog):
         written = self.written()
         return written is None or bool(written)
 
+    def quiet(self) -> bool:
+        """Whether the open transaction has changed no message record so far, and has
+        none left to write at its end: committed now, it would need no sync (wrote())."""
+        return False
+
     def written(self) -> set[str] | None:
         """The queues whose message records the last transaction changed; None: any may have.
 

@@ -13,9 +13,9 @@ answered as the sync starts (_answer_early). With `aio_sync`,
 the kernel syncs the log file while the loop goes on (mqd_bdb.logsync; but a
 round of one job a connection the loop syncs itself where syncs are fast:
 _nothing_to_overlap), and the next round stays open until GATHER_TURNS turns
-of the loop after that sync ended are over: one commit and one sync for all
-that came meanwhile, and longer while the connections that sync answered
-have not sent their next command (at most one sync's duration, and
+of the loop after that sync ended are over (unless it wrote nothing, _free):
+one commit and one sync for all that came meanwhile, and longer while the
+connections that sync answered have not sent their next command (at most one sync's duration, and
 MAX_GATHER_S). That is a group commit with no future per job. Without Linux
 AIO, the loop syncs there and then where syncs take under
 `loop_sync_max_us`, as Redis does; otherwise the sync thread syncs while the
@@ -213,6 +213,7 @@ class Worker:
         self.aio_flushes = 0  # of those, by Linux AIO
         self.rounds = 0  # rounds run on the event loop
         self.early = 0  # holders of synced rounds answered as the sync started
+        self.free = 0  # rounds committed and answered while a sync ran (_free)
 
     # -- loop side -----------------------------------------------------------
 
@@ -347,13 +348,17 @@ class Worker:
 
         While a sync runs, the round stays open instead, and ends as that sync
         does: what comes meanwhile could not be synced sooner anyway, and one
-        commit and one sync for all of it cost less than several.
+        commit and one sync for all of it cost less than several. Unless it
+        needs no sync of its own (_free): then it commits and is answered now.
         """
         r = self._loop_round
         assert r is not None
+        free = False
         if r.error is None and self._syncing:
-            self._end_due = True
-            return
+            free = self._free(r)
+            if not free:
+                self._end_due = True
+                return
         self._loop_round = None
         store = self.store
         published: Published = {}
@@ -409,9 +414,34 @@ class Worker:
                 self._sync_asks.put(self._seq)
                 self._answer_early(r)
         elif self._unsynced:
+            if free and committed:
+                # Its holders wait for nothing ahead: answered now. Its gauges
+                # go out in order, after those of the rounds ahead.
+                self.free += 1
+                pendings, r.pendings = r.pendings, {}
+                for pending in pendings.values():
+                    pending.end(None)
             self._unsynced.append((0, r, results, published, error))  # after those ahead
         else:
             self._answer(r, results, published, error)
+
+    def _free(self, r: Round) -> bool:
+        """Whether round `r`, ending while a sync runs, may commit and be answered at once.
+
+        Yes when it changed no message record and leaves none to write (its
+        sets were taken in it, its gets took those or found nothing: a
+        pipelining client whose consumer keeps up), ran no job with a
+        future, and none of its holders still awaits a sync: such a round
+        needs no sync of its own (Store.wrote), and its answers depend on
+        nothing the sync in flight must keep. Otherwise it waits for that sync
+        to end, and ends with the next (_end_due). Under a steady load with
+        a backlog in a few queues, the connections of the others go on at
+        the pace of their own round trips, not of those queues' syncs.
+        """
+        if r.futures or not self.store.quiet():
+            return False
+        pendings = r.pendings
+        return not any(holder in pendings for u in self._unsynced for holder in u[1].pendings)
 
     def _answer_early(self, r: Round) -> None:
         """Answer now, before its sync, each holder of round `r` that the sync keeps nothing of.

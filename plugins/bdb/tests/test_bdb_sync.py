@@ -340,6 +340,38 @@ def test_puts_behind_a_backlog_are_written_as_the_next_connection_runs(
     session(name, tmp_path, after)
 
 
+@pytest.mark.parametrize("name", FIFO_NAMES)
+def test_a_round_that_needs_no_sync_is_answered_while_one_runs(name: str, tmp_path: Path) -> None:
+    # While the sync of a round that wrote runs, a round whose sets were
+    # all taken in it commits and is answered at once: nothing of it is on
+    # disk to wait for. Not a round with a holder still awaiting that sync,
+    # whose answers must keep their order: that one waits for the sync.
+    async def body(b: _BdbBackend) -> None:
+        await make_empty(b, "p")
+        await put_and_settle(b, b"old")
+        w = b.worker
+        writer, pipeliner = Holder(b), Holder(b)
+        with w._env_lock:  # the sync thread's sync cannot end meanwhile
+            put_held(b, writer, b"new")  # behind "old": its round is synced
+            while not w._syncing:
+                await asyncio.sleep(0)
+            put_held(b, pipeliner, b"p0", "p")
+            assert take_held(b, pipeliner, "p") == b"p0"
+            assert await asyncio.wait_for(pipeliner.released(), 10) is None
+            assert w.free == 1 and w._syncing and not writer.ended
+            put_held(b, writer, b"w0", "p")
+            assert take_held(b, writer, "p") == b"w0"
+            await asyncio.sleep(0.05)
+            assert w.free == 1 and not writer.ended  # its round waits for the sync
+        assert await writer.released() is None
+        assert len(writer.ended) == 2
+        assert pipeliner.ended[0][2] < writer.ended[0][2] < writer.ended[1][2]
+        assert [m.body for m in await drain(b, "q")] == [b"old", b"new"]
+        assert await drain(b, "p") == []
+
+    session(name, tmp_path, body, **SYNC_PATHS["on-thread"])
+
+
 @EACH_PATH
 @pytest.mark.parametrize("name", NAMES)
 def test_a_round_waits_for_the_connections_the_last_sync_answered(
