@@ -15,13 +15,13 @@ round of one job a connection the loop syncs itself where syncs are fast:
 _nothing_to_overlap), and the next round stays open until GATHER_TURNS turns
 of the loop after that sync ended are over (unless it wrote nothing, _free):
 one commit and one sync for all that came meanwhile, and longer while the
-connections that sync answered have not sent their next command (at most one sync's duration, and
-MAX_GATHER_S). That is a group commit with no future per job. Without Linux
-AIO, the loop syncs there and then where syncs take under
-`loop_sync_max_us`, as Redis does; otherwise the sync thread syncs while the
-loop goes on, the next round again staying open until it is done. Bundles of
-quick jobs from callers that await futures run in the same rounds, and are
-answered after the same syncs.
+connections that sync answered have not sent their next command (at most
+one sync's duration, and MAX_GATHER_S). That is a group commit with no
+future per job. Without Linux AIO, the loop syncs there and then where
+syncs take under `loop_sync_max_us`, as Redis does; otherwise the sync
+thread syncs while the loop goes on, the next round again staying open
+until it is done. Bundles of quick jobs from callers that await futures run
+in the same rounds, and are answered after the same syncs.
 
 Everything else goes to the worker thread: the event loop hands jobs over in
 bundles and awaits their futures. The worker takes whatever has arrived
