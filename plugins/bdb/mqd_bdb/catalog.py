@@ -4,7 +4,12 @@ The worker keeps a QueueState per queue, a mirror of its catalog record.
 A batch *touches* a queue before changing it (a snapshot to restore should
 the transaction abort) and at its end writes the record of every touched
 queue once, in the batch's transaction, so after a crash counts and next
-offsets match the messages exactly and offsets are never reused.
+offsets match the messages exactly and offsets are never reused. Except
+where a round of held sets and gets changed no message record (every put
+taken in the round): only next offsets moved, which none of its answers
+shows, so its records are left as they were, to be saved with the queue's
+next change or at close; a crash may then number messages again from an
+older offset, as it may after any round not synced.
 
 The queues changed most recently keep their counts in one record instead,
 CAT_RECENT, which a batch rewrites whole: under a steady load, a batch that
@@ -236,6 +241,8 @@ class Catalog(Environment):
         # that), and whether it found none idle (none can become so while it runs).
         self._recent_before: dict[str, QueueState] | None = None
         self._recent_busy = False
+        # Queues whose records lazy batches left as they were (_write_meta).
+        self._unsaved: set[str] = set()
 
     def sizes(self) -> dict[str, QueueSize]:
         return {name: q.size() for name, q in self.queues.items()}
@@ -388,17 +395,25 @@ class Catalog(Environment):
             if not kids:
                 del self.children[parent]
 
-    def _write_meta(self, txn: Any, next_qid: int) -> None:
-        """Save every touched queue's counts (and the next queue id if it moved)."""
+    def _write_meta(self, txn: Any, next_qid: int, lazy: bool = False) -> None:
+        """Save every touched queue's counts (and the next queue id if it moved).
+
+        `lazy`: the batch changed no message record, so of a queue that
+        existed before it only the next offset and the time of the last
+        change moved; such a record is left as it was (see Store.wrote) and
+        saved with the queue's next change, or at close (_save_unsaved).
+        """
         recent = self._recent
         rewrite = self._recent_before is not None  # a deleted queue left it
-        for name in self._touched:
+        for name, (_, existed, _) in self._touched.items():
             q = self.queues.get(name)
             if q is None:
                 continue
             if q.head_dirty:
                 q.set_head(self._head(txn, q) if q.items else None)
-            if recent.get(name) is q or self._join_recent(txn, q):
+            if lazy and existed:
+                self._unsaved.add(name)
+            elif recent.get(name) is q or self._join_recent(txn, q):
                 rewrite = True
             else:
                 self._write_own(txn, q)
@@ -407,6 +422,33 @@ class Catalog(Environment):
             self._write_recent(txn)
         if self.next_qid != next_qid:
             self.cat.put(CAT_NEXT_QID, QID.pack(self.next_qid), txn)
+
+    def close(self) -> None:
+        """Save what lazy batches left unsaved, then checkpoint and close."""
+        try:
+            self._save_unsaved()
+        finally:
+            super().close()
+
+    def _save_unsaved(self) -> None:
+        """Save the records lazy batches left as they were (_write_meta), in a
+        transaction of their own: at close, so that a restart numbers the next
+        messages after every offset handed out."""
+        queues = [q for q in map(self.queues.get, self._unsaved) if q is not None]
+        self._unsaved = set()
+        if not queues or self.env is None or self.panicked:
+            return
+        txn = self.env.txn_begin()
+        try:
+            for q in queues:
+                if self._recent.get(q.name) is not q:
+                    self._write_own(txn, q)
+            if any(self._recent.get(q.name) is q for q in queues):
+                self._write_recent(txn)
+        except BaseException:
+            txn.abort()
+            raise
+        txn.commit()
 
     def _save_queue(self, txn: Any, q: QueueState) -> None:
         """Save one queue's counts, in a transaction of their own, outside a batch."""

@@ -211,16 +211,21 @@ class Store(Catalog):
         self._start_run()
         return txn
 
-    def commit(self, txn: Any, published: dict[str, Any]) -> None:
+    def commit(self, txn: Any, published: dict[str, Any], lazy: bool = False) -> None:
         """Write what the jobs left to write, commit (no sync), publish the gauges they changed.
 
-        If that fails, it is all undone (abort) and the error raised.
+        `lazy`: no caller shows a message's offset (a held set or get does
+        not), so a transaction that changed no message record (quiet) need
+        not save its queues' records either: it then writes nothing at all
+        (Catalog._write_meta). If that fails, it is all undone (abort) and
+        the error raised.
         """
         touched, next_qid = self._opened
         try:
+            lazy = lazy and self.quiet()
             self._end_run(txn)
             if touched or self.next_qid != next_qid:
-                self._write_meta(txn, next_qid)
+                self._write_meta(txn, next_qid, lazy)
             txn.commit()
         except BaseException as exc:
             self.abort(txn, exc)
@@ -261,7 +266,8 @@ class Store(Catalog):
         and none it took can come back. What is lost is its queues' next
         offsets, which then number the next messages as they would have
         numbered its own, ids no plain set or get shows (`gets` runs
-        through futures, whose rounds are synced all the same).
+        through futures, whose rounds are synced all the same). A round
+        of held jobs does not even write them (commit, `lazy`).
         """
         written = self.written()
         return written is None or bool(written)

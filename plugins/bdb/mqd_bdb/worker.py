@@ -367,7 +367,7 @@ class Worker:
         aio: LogSync | None = None
         try:
             if error is None:
-                store.commit(r.txn, published)
+                store.commit(r.txn, published, lazy=not r.futures)
                 committed = True
                 if r.writers and not (r.futures or store.wrote()):
                     # Its puts were all taken in it, never written, and its

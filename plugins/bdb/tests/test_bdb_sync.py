@@ -306,6 +306,59 @@ def test_holders_the_sync_keeps_nothing_of_are_answered_before_it(
     sync_session(name, tmp_path, where, body)
 
 
+class _CountingPuts:
+    """A Berkeley DB handle that counts the calls of its `put`."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.puts = 0
+
+    def put(self, *args: Any) -> Any:
+        self.puts += 1
+        return self._handle.put(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+
+@pytest.mark.parametrize("name", FIFO_NAMES)
+def test_a_round_whose_puts_it_took_itself_leaves_the_catalog_till_close(
+    name: str, tmp_path: Path
+) -> None:
+    # Only the queue's next offset moved, which no held answer shows: its
+    # catalog record is not rewritten (the round writes nothing at all), but
+    # saved at close, so the next start numbers after every offset handed out.
+    async def body(b: _BdbBackend) -> None:
+        await make_empty(b, "q")  # "made", offset 0
+        store = b.worker.store
+        counting = store.cat = _CountingPuts(store.cat)
+        try:
+            holder = Holder(b)
+            for i in range(5):  # offsets 1 to 5
+                put_held(b, holder, b"m%d" % i)
+                assert take_held(b, holder, "q") == b"m%d" % i
+            assert await holder.released() is None
+            assert counting.puts == 0
+            # A round that writes saves the record as it does every other.
+            put_held(b, holder, b"m5")
+            assert await holder.released() is None
+            assert counting.puts > 0
+            assert [(m.body, m.offset) for m in await drain(b, "q")] == [(b"m5", 6)]
+            holder = Holder(b)
+            put_held(b, holder, b"m6")
+            assert take_held(b, holder, "q") == b"m6"
+            assert await holder.released() is None
+        finally:
+            store.cat = counting._handle
+
+    session(name, tmp_path, body)
+
+    async def after(b: _BdbBackend) -> int | None:
+        return await put(b, "q", b"next")
+
+    assert session(name, tmp_path, after) == 8
+
+
 @pytest.mark.parametrize("name", FIFO_NAMES)
 def test_puts_behind_a_backlog_are_written_as_the_next_connection_runs(
     name: str, tmp_path: Path
