@@ -23,7 +23,7 @@ there.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Final
 
@@ -436,22 +436,29 @@ class Catalog(Environment):
         messages after every offset handed out."""
         queues = [q for q in map(self.queues.get, self._unsaved) if q is not None]
         self._unsaved = set()
-        if not queues or self.env is None or self.panicked:
-            return
+        if queues and self.env is not None and not self.panicked:
+            self._own_txn(self._save_queues, queues)
+
+    def _save_queues(self, txn: Any, queues: list[QueueState]) -> None:
+        # Once a queue: the recent record may be written more than once, but
+        # only at close.
+        for q in queues:
+            self._save_queue(txn, q)
+
+    def _own_txn(self, work: Callable[..., Any], *args: Any) -> Any:
+        """`work(txn, *args)` in a transaction of its own."""
         txn = self.env.txn_begin()
         try:
-            for q in queues:
-                if self._recent.get(q.name) is not q:
-                    self._write_own(txn, q)
-            if any(self._recent.get(q.name) is q for q in queues):
-                self._write_recent(txn)
+            value = work(txn, *args)
+            txn.commit()
         except BaseException:
-            txn.abort()
+            with contextlib.suppress(Exception):
+                txn.abort()
             raise
-        txn.commit()
+        return value
 
     def _save_queue(self, txn: Any, q: QueueState) -> None:
-        """Save one queue's counts, in a transaction of their own, outside a batch."""
+        """Save one queue's counts, outside a batch (in a transaction of its own: _own_txn)."""
         if self._recent.get(q.name) is q:
             self._write_recent(txn)
         else:

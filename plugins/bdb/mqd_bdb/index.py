@@ -9,9 +9,7 @@ of their own transactions beyond; counting then goes on with every change.
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from collections.abc import Callable
 from typing import Any, Final
 
 from mqd_bdb.catalog import CHUNK, QueueState
@@ -79,29 +77,17 @@ class BodyIndex(QueueOps):
             return
         if q.mdb is None:
             self._attach(q)
-        while self._chunk_txn(self._clear_index, q, CHUNK):
+        while self._own_txn(self._clear_index, q, CHUNK):
             pass  # leftovers of a count that a crash interrupted
-        after = self._chunk_txn(self._count_chunk, q, None, CHUNK)
+        after = self._own_txn(self._count_chunk, q, None, CHUNK)
         while after is not None:
-            after = self._chunk_txn(self._count_chunk, q, after, CHUNK)
+            after = self._own_txn(self._count_chunk, q, after, CHUNK)
         q.indexed = True
         try:
-            self._chunk_txn(self._save_queue, q)
+            self._own_txn(self._save_queue, q)
         except BaseException:
             q.indexed = False
             raise
-
-    def _chunk_txn(self, work: Callable[..., Any], *args: Any) -> Any:
-        """`work(txn, *args)` in a transaction of its own."""
-        txn = self.env.txn_begin()
-        try:
-            value = work(txn, *args)
-            txn.commit()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                txn.abort()
-            raise
-        return value
 
     def _count_of(self, txn: Any, q: QueueState, body: bytes) -> int:
         """How many messages of `q` carry `body`, counting the queue first if need be."""
