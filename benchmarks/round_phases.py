@@ -10,16 +10,17 @@ four events a round, too few to slow the server) cuts each round into:
 
   replies      from the end of a sync to the first poll (the replies sent)
   poll         time inside the polls
-  between      from the first poll's end to the last poll's start (mqd keeps
-               a round open for a few turns of its loop after a sync, so that
-               the clients that sync answered join the next one)
+  between      from the first poll to the end of the last, outside the polls
+               (mqd keeps a round open for a few turns of its loop after a
+               sync, so that the clients that sync answered join the next one)
   work         from the last poll to the next sync (reads, commands, commit,
                the log write)
   sync         the fdatasync of the log
 
 The table gives each phase's mean in microseconds and per command (commands
-a round: ops/s over rounds/s). It needs `perf` and the right to trace
-(root, or kernel.perf_event_paranoid <= -1 and tracefs readable).
+a round: ops/s times the mean round). It needs `perf` (Debian: linux-perf)
+and the right to trace (root, or kernel.perf_event_paranoid <= -1 and
+tracefs readable).
 
 Usage: python benchmarks/round_phases.py [--seconds S] [--memtier PATH] [--mqd PATH]
 """
@@ -35,6 +36,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from harness import Server, find_mqd, mqd, mqd_config, print_table, redis
@@ -117,8 +119,10 @@ def measure(
         time.sleep(WARMUP_S)
         events = record(server.pid, seconds, Path(tmp) / "perf.data")
         load.join()
+    if not figures:
+        raise SystemExit(f"{label}: memtier_benchmark failed (see above)\n{server.state()}")
     rounds = phases(events)
-    if not rounds or not figures:
+    if not rounds:
         raise SystemExit(
             f"{label}: no whole round on its busiest thread (a sync on another?)\n{server.state()}"
         )
@@ -138,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     memtier = find_memtier(a.memtier)
     missing = [t for t in ("perf", "redis-server") if not shutil.which(t)]
-    if memtier is None or missing:
-        p.error(f"needs memtier_benchmark, perf and redis-server; missing: {missing or 'memtier'}")
+    if memtier is None:
+        missing.append("memtier_benchmark (--memtier PATH)")
+    if missing or memtier is None:
+        p.error(f"not found: {', '.join(missing)}")
     o = Options(
         test_time=int(WARMUP_S + a.seconds + 3),
         warmup=0.0,
@@ -152,17 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         base_dir=None,
     )
     driver = Memtier(memtier)
-    servers = [
-        (
-            "mqd bdb always",
-            "memcache",
-            mqd("bdb", exe=find_mqd(a.mqd), config=mqd_config("always")),
-        ),
-        ("redis appendfsync always", "resp", redis("always")),
+    exe = find_mqd(a.mqd)
+    # Each server made only when its turn comes: making one makes its data directory.
+    servers: list[tuple[str, str, Callable[[], Server]]] = [
+        ("mqd bdb always", "memcache", lambda: mqd("bdb", exe=exe, config=mqd_config("always"))),
+        ("redis appendfsync always", "resp", lambda: redis("always")),
     ]
     rows = []
-    for label, wire, server in servers:
-        with server:
+    for label, wire, make in servers:
+        with make() as server:
             rows.append(measure(label, server, wire, driver, o, a.seconds))
     print_table(
         "one command per round trip, 16 connections; phase means in µs a round "
