@@ -78,9 +78,15 @@ class Environment:
         Not only ENOSPC: Berkeley DB may call it a panic, or, when the cache
         is all dirty pages it cannot write out, an I/O error ("unable to
         allocate space from the buffer cache"); on a file system with no room
-        left, those are the full disk too.
+        left, those are the full disk too. So they are once the reserve is out:
+        the room its release made (another thread may have released it just
+        now) says nothing of the write that failed.
         """
-        return is_disk_full(exc) or no_room(self.data_dir, self.config.log_buffer_kb << 10)
+        return (
+            is_disk_full(exc)
+            or self.space.out
+            or no_room(self.data_dir, self.config.log_buffer_kb << 10)
+        )
 
     def close(self) -> None:
         """Checkpoint and close everything; raises the first error met, after trying all."""

@@ -19,6 +19,7 @@ from mqd_bdb.catalog import QueueState
 from mqd_bdb.config import BdbConfig
 from mqd_bdb.names import encode_name, file_stem
 from mqd_bdb.single import SingleStore
+from mqd_bdb.space import no_room
 
 from mqd.backend import Capability, Message
 from mqd.errors import ConfigError, StorageError
@@ -188,7 +189,7 @@ def test_full_disk_loses_nothing_acknowledged(name: str, tmp_path: Path) -> None
         asyncio.run(main())
 
 
-def test_an_io_error_on_a_file_system_with_no_room_is_the_full_disk(tmp_path: Path) -> None:
+def test_an_io_error_with_no_room_or_the_reserve_out_is_the_full_disk(tmp_path: Path) -> None:
     # What Berkeley DB says when the cache is all dirty pages it cannot write out.
     cache_full = db.DBError(errno.EIO, "unable to allocate space from the buffer cache")
     with small_disk(tmp_path / "disk", "4m") as disk:
@@ -197,6 +198,11 @@ def test_an_io_error_on_a_file_system_with_no_room_is_the_full_disk(tmp_path: Pa
         try:
             assert not store.disk_full(cache_full)
             fill_up(disk / "filler")
+            assert store.disk_full(cache_full)
+            # Another thread met the full disk first and released the reserve:
+            # there is room now, but the write that failed did not have it.
+            assert store.space.release()
+            assert not no_room(store.data_dir, 64 << 10)
             assert store.disk_full(cache_full)
         finally:
             (disk / "filler").unlink()
