@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 JAVA_HINT = (
-    "install a Java 17+ runtime (Debian: apt-get install openjdk-17-jre-headless; "
+    "install a Java 17+ runtime (Debian: apt-get install default-jre-headless; "
     "bin/setup does it) or set JAVA_HOME"
 )
 
