@@ -51,6 +51,20 @@ def test_drain_removes_exactly_what_it_read(spark: SparkSession, mqd: Daemon, q:
     assert take_all(mqd, q) == bodies(40)[25:]
 
 
+@pytest.mark.parametrize("mode", ["peek", "drain"])
+def test_a_read_with_nothing_waiting_gives_no_rows(
+    spark: SparkSession, mqd: Daemon, q: str, mode: str
+) -> None:
+    # Spark reads one empty partition of its own where the plan has none.
+    fill(mqd, q, [b"gone"])
+    assert take_all(mqd, q) == [b"gone"]
+    assert read(spark, mqd, q, mode=mode).collect() == []
+    assert read(spark, mqd, q + "-never-made", mode=mode).collect() == []
+    mqd_spark.wait_for_commits(spark)
+    fill(mqd, q, [b"later"])
+    assert read(spark, mqd, q, mode=mode).collect()[0].body == b"later"
+
+
 def test_write_keeps_order_within_each_partition(spark: SparkSession, mqd: Daemon, q: str) -> None:
     df = spark.range(0, 400, 1, 4).select(
         concat_ws(":", spark_partition_id(), col("id")).alias("body")
@@ -211,7 +225,8 @@ def test_drain_beside_another_consumer_is_exactly_once(
     spark: SparkSession, mqd: Daemon, q: str
 ) -> None:
     fill(mqd, q, bodies(3000))
-    consumer = Consumer(mqd, q)
+    # Slow enough to leave Spark some even when it is slow to plan (10 s alone).
+    consumer = Consumer(mqd, q, rate=300)
     consumer.start()
     df = read(spark, mqd, q, mode="drain", partitions="3")
     # a task fails once and is retried while the consumer keeps taking
@@ -227,7 +242,8 @@ def test_stream_beside_another_consumer_is_exactly_once(
     spark: SparkSession, mqd: Daemon, q: str, tmp_path: Path
 ) -> None:
     fill(mqd, q, bodies(2000))
-    consumer = Consumer(mqd, q, rate=500)
+    # Slow enough to leave the stream some even when it is slow to start (20 s alone).
+    consumer = Consumer(mqd, q, rate=100)
     consumer.start()
     stop_after_batches(start_stream(spark, mqd, q, tmp_path, 200), 2)
     query = start_stream(spark, mqd, q, tmp_path, 200)  # restarted from its checkpoint
