@@ -2,7 +2,7 @@
 ports, a process's resident memory, a daemon's `stats`, result tables, and the
 checkouts of mqd a run compares (`--against DIR`).
 
-Every server is started on 127.0.0.1 on a port the kernel just handed out,
+Every server is started on 127.0.0.1 on a free port (mqd.testing.ports),
 with its files in a temporary directory, and is stopped (TERM, then KILL)
 when its `with` block ends, also on errors and Ctrl-C.
 """
@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -31,62 +30,13 @@ from loadgen import LoadResult, LoadSpec, run_load
 from rich.console import Console
 from rich.table import Table
 
-HOST = "127.0.0.1"
+# Re-exported (as X): the scripts take them from here with the rest.
+from mqd.testing.ports import HOST as HOST
+from mqd.testing.ports import free_port as free_port
+from mqd.testing.ports import listens as listens
+
 # Wide enough for the result tables also when output goes to a file or CI log.
 console = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 200)
-
-
-def free_port() -> int:
-    """A TCP port on the loopback address that nothing is bound to right now.
-
-    Drawn below the kernel's ephemeral range (32768 and up), which every
-    client socket and every bind to port 0 on the machine draws from: other
-    programs' tests running at the same time then rarely land on it in the
-    moment before our server binds it.
-    """
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind((HOST, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # a crowded range: let the kernel choose
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def listens(pid: int, port: int) -> bool:
-    """Whether process `pid` itself has a listening TCP socket on `port`.
-
-    Connecting is not proof: if another program took the port first, our
-    server fails to bind while a probe reaches the other program.
-    """
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
-                inodes.add(f"socket:[{f[9]}]")
-    if not inodes:
-        return False
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
-                return True
-        except OSError:
-            continue
-    return False
 
 
 def rss_bytes(pid: int) -> int:

@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from types import TracebackType
 
+from mqd.testing.ports import free_port, listens
+
 START_TIMEOUT = 20.0
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Daemon:
@@ -93,13 +87,13 @@ class Daemon:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"mqd exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                socket.create_connection(self.address, timeout=0.5).close()
-                if self.redis_port:
-                    socket.create_connection(self.redis_address, timeout=0.5).close()
+            # Its own sockets, not a connection: that could reach another
+            # program on the port, where this one failed to bind.
+            if listens(self.pid, self.port) and (
+                not self.redis_port or listens(self.pid, self.redis_port)
+            ):
                 return self
-            except OSError:
-                time.sleep(0.02)
+            time.sleep(0.02)
         self.kill()
         raise RuntimeError(f"mqd did not start within {START_TIMEOUT}s:\n{self.log()}")
 

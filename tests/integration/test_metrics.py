@@ -17,7 +17,8 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pymemcache.client.base import Client
 
-from mqd.testing.daemon import Daemon, free_port
+from mqd.testing.daemon import Daemon
+from mqd.testing.ports import free_port
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

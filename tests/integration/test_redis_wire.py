@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mqd import config
-from mqd.testing.daemon import Daemon, free_port
+from mqd.testing.daemon import Daemon
+from mqd.testing.ports import free_port
 
 
 def request(*args: bytes | str) -> bytes:

@@ -15,7 +15,8 @@ from pyspark.sql import SparkSession
 from spark_helpers import fill, items, servers
 
 from mqd import cli
-from mqd.testing.daemon import Daemon, free_port
+from mqd.testing.daemon import Daemon
+from mqd.testing.ports import free_port
 
 pytest_plugins = ("spark_helpers",)
 

@@ -20,7 +20,8 @@ import pyspark
 import pytest
 from spark_helpers import fill, items, servers
 
-from mqd.testing.daemon import Daemon, free_port
+from mqd.testing.daemon import Daemon
+from mqd.testing.ports import free_port
 
 SPARK_HOME = Path(pyspark.__file__).parent
 START_TIMEOUT = 90.0
