@@ -1,5 +1,7 @@
 """How bin/test shares the suite out among its pytest-xdist worker processes.
 
+A pytest plugin, loaded for every run by pyproject.toml (`-p mqd.testing.groups`).
+
 Each test module goes to one worker whole (xdist's `loadscope`), and so do
 all the Spark tests, which share one Spark session (a JVM), and all the
 Aerospike tests, which share one Aerospike node: a run starts each of those
