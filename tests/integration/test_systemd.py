@@ -108,6 +108,7 @@ def verify(unit: Path) -> subprocess.CompletedProcess[str]:
 
 
 @needs_analyze
+@pytest.mark.timeout(600)  # two installs into a fresh venv, each allowed 300 s (install())
 def test_install_service_stages_a_verified_unit(tmp_path: Path) -> None:
     root = tmp_path / "root"
     builds = [ROOT / "build", ROOT / "plugins" / "bdb" / "build"]
