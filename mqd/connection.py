@@ -456,7 +456,7 @@ class Connection(asyncio.Protocol):
         if error is not None:
             if not isinstance(error, StorageError):
                 error = StorageError(str(error))
-            line = protocol.error_line(error)
+            line = self.error_line(error)
             for index in range(self._held_from, end):
                 out[index] = line
             self.server.storage_failed(
@@ -479,6 +479,10 @@ class Connection(asyncio.Protocol):
             self._closing = False
             if transport is not None:
                 transport.close()
+
+    def error_line(self, error: StorageError) -> bytes:
+        """The reply that stands for each held reply `error` voided, in this protocol."""
+        return protocol.error_line(error)
 
     def flush(self) -> None:
         """Send every reply gathered so far (held replies once they are released)."""

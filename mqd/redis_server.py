@@ -143,20 +143,29 @@ class RedisConnection(Connection):
 
     # -- lists -------------------------------------------------------------
 
+    def error_line(self, error: StorageError) -> bytes:
+        return resp.error_reply(error)
+
     async def do_push(self, args: list[bytes]) -> bytes:
-        """LPUSH, RPUSH: append the values in argument order; reply the queue's length."""
+        """LPUSH, RPUSH: append the values in argument order; reply the queue's length.
+
+        The connection holds the reply (mqd.backend.Holder), as it does a
+        memcached `set`'s: on a backend that holds replies the push is made at
+        once and the reply goes out once it is durable, so the pushes and
+        pops of a pipeline share one commit instead of one each.
+        """
         queue = self.queue(args[1])
         values = args[2:]
         for done, body in enumerate(values):
-            if await self.broker.store(Store(False, queue, 0, 0, body, False)) is Put.FULL:
+            if await self.broker.store(Store(False, queue, 0, 0, body, False), self) is Put.FULL:
                 raise ServerError(f"queue full: {done} of {len(values)} values stored")
         return resp.integer(await self._length(queue))
 
     async def do_pop(self, args: list[bytes]) -> bytes:
         """RPOP, LPOP key [count]: the head message(s)."""
-        if len(args) == 2:
-            hits = await self.broker.retrieve(self.get(args[1]), self.session)
-            return resp.bulk(hits[0][1].body) if hits else self.null
+        if len(args) == 2:  # held as a push is (do_push)
+            message = await self.broker.take(self.queue(args[1]), holder=self)
+            return resp.bulk(message.body) if message is not None else self.null
         if len(args) > 3:
             raise resp.client_error("arity", args[0].decode("latin-1").lower())
         bodies = await self._take(args[1], resp.parse_count(args[2]))

@@ -311,7 +311,8 @@ def test_a_push_reaches_fanout_children(red: Raw, raw: Raw, q: str) -> None:
 
 
 def test_pipelined_pushes_and_pops_on_a_durable_backend_stay_in_order(tmp_path: Path) -> None:
-    """On bdb, pipelined one-value pushes and pops start together: order must hold."""
+    """On bdb, pipelined one-value pushes and pops share rounds: order must hold, and
+    each push's length counts the commands before it."""
     with Daemon(tmp_path, backend="bdb", redis=True) as d:
         conn = Raw(d.redis_address)
         bodies = [b"m%02d" % i for i in range(40)]
@@ -321,5 +322,9 @@ def test_pipelined_pushes_and_pops_on_a_durable_backend_stay_in_order(tmp_path: 
         replies = conn.read_until(b"$-1\r\n")
         popped = [line for line in replies.split(b"\r\n") if line.startswith(b"m")]
         assert popped == bodies
-        assert replies.count(b":") == 40
+        lengths = [int(line[1:]) for line in replies.split(b"\r\n") if line.startswith(b":")]
+        assert lengths == [1] * 20 + list(range(1, 21))
+        conn.call(request("LPUSH", "q", "a"), b":1\r\n")
+        conn.call(request("LPUSH", "q", "b"), b":2\r\n")
+        conn.call(request("LLEN", "q"), b":2\r\n")
         conn.close()

@@ -24,6 +24,7 @@ from mqd.backends.memory import MemoryBackend
 from mqd.config import Config
 from mqd.connection import Connection
 from mqd.errors import StorageError
+from mqd.redis_server import RedisConnection
 from mqd.server import Server
 
 
@@ -328,13 +329,15 @@ class Holding(MemoryBackend):
         return await super().take(queue, **options)
 
 
-async def _holding_connection() -> tuple[Holding, Server, Connection]:
+async def _holding_connection(
+    kind: type[Connection] = Connection,
+) -> tuple[Holding, Server, Connection]:
     """A connection of a server over a Holding backend, writing to its transport."""
     backend = Holding(StorageOptions())
     server = Server(Config(backend="memory"), backend)
     server.loop = asyncio.get_running_loop()
     await server.broker.start()
-    connection = Connection(server)
+    connection = kind(server)
     connection.connection_made(backend.transport)  # type: ignore[arg-type]
     return backend, server, connection
 
@@ -370,6 +373,37 @@ def test_held_replies_go_out_on_release_or_become_the_error() -> None:
         assert transport.written[sent:] == b"STORED\r\n"
 
     asyncio.run(main())
+
+
+def test_held_redis_replies_count_what_came_before_and_become_resp_errors() -> None:
+    """A Redis push and pop hold their replies as a set and get do: one release
+    answers a pipeline of them, a push's length counts the commands before it,
+    and a failed round voids each reply with a RESP error, not a memcached line."""
+
+    async def main() -> None:
+        backend, _, connection = await _holding_connection(RedisConnection)
+        transport = backend.transport
+
+        async def send(*requests: list[bytes]) -> bytes:
+            before, releases = len(transport.written), len(backend.seen)
+            connection.data_received(b"".join(map(resp_request, requests)))
+            assert len(transport.written) == before  # held: nothing sent yet
+            while len(backend.seen) == releases:
+                await asyncio.sleep(0)
+            return bytes(transport.written[before:])
+
+        ok = await send([b"RPUSH", b"q", b"a"], [b"LPUSH", b"q", b"b", b"c"], [b"RPOP", b"q"])
+        assert ok == b":1\r\n:3\r\n$1\r\na\r\n"
+        assert backend.seen  # one release answered all three
+        backend.fail = StorageError("disk full")
+        voided = await send([b"RPUSH", b"q", b"d"], [b"RPOP", b"q"])
+        assert voided == b"-ERR disk full\r\n" * 2
+
+    asyncio.run(main())
+
+
+def resp_request(args: list[bytes]) -> bytes:
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in args)
 
 
 def test_a_pipeline_read_in_parts_is_answered_part_by_part_after_each_round() -> None:

@@ -4,7 +4,8 @@ A plain put or take with a holder runs at once on the event loop when it can
 (mqd_bdb.worker, rounds); every other call becomes one job for the
 environment's worker thread and one future to await. The gauges size(),
 sizes() and queues() answer from are published after every batch and round,
-so they cost no trip to the thread.
+so they cost no trip to the thread; while a round is open on the loop,
+size() reads that round's own counts instead (Worker.size_in_round).
 
 These backends are not Capability.SHARED: one daemon holds the data
 directory (flock on LOCK), so the broker wakes its own waiters and listen()
@@ -337,6 +338,11 @@ class _BdbBackend(Backend):
         return list(self._sizes)
 
     async def size(self, queue: str) -> QueueSize | None:
+        worker = self._worker
+        if worker is not None:
+            live = worker.size_in_round(queue)
+            if live is not LATER:
+                return live
         return self._sizes.get(queue)
 
     async def sizes(self) -> dict[str, QueueSize]:

@@ -58,7 +58,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from mqd.backend import LATER, Holder, Message, Pending, QueueSize, Sync
+from mqd.backend import LATER, Holder, Later, Message, Pending, QueueSize, Sync
 from mqd_bdb import jobs
 from mqd_bdb.errors import storage_error
 from mqd_bdb.logsync import UNSUPPORTED, LogSync
@@ -300,6 +300,19 @@ class Worker:
             r.taken.append((job, value, holder))
         self.jobs += 1
         return value
+
+    def size_in_round(self, queue: str) -> QueueSize | Later | None:
+        """`queue`'s size as this turn's open round leaves it; LATER if none is open.
+
+        While a round is open the loop holds the store, so its counts, which
+        already include what the round's held puts and takes did, are read
+        directly: a reply made in the round (a Redis push's length) then
+        counts the commands before it, as the published gauges do not yet.
+        """
+        if self._loop_round is None:
+            return LATER
+        q = self.store.queues.get(queue)
+        return None if q is None else q.size()
 
     def _here(self, bundle: Sequence[jobs.Job]) -> Round | None:
         """This turn's round, opened if need be, if `bundle` may run in it; else None."""
@@ -553,8 +566,8 @@ class Worker:
         # up to one sync's duration: all of it is answered after the next
         # sync rather than the one after, and the syncs are fewer and larger.
         # Under 16 connections one command per round trip, rounds grew from
-        # about 10 commands to 15, and did 10 to 25 % more (README,
-        # Performance).
+        # about 10 commands to 15, and did 10 to 25 % more
+        # (benchmarks/RESULTS.md).
         awaited = self._awaited = set(answered)
         self._awaited_until = time.monotonic() + min(self._sync_s, self._awaited_max_s)
         open_round = self._loop_round
