@@ -162,14 +162,28 @@ class Native:
 
 #: mqd's own hot modules, on every command's path: the memcached parser and
 #: reply rendering, the connection, the broker, the message and what they share,
-#: the backend interface and the memory backend. With Backend compiled, the
+#: the backend interface and the memory backend; and the Redis listener's
+#: commands and replies, whose Python was most of a Redis command's cost
+#: (pipelined on bdb `always`, 124k to 160k ops/s interpreted, 261k compiled,
+#: benchmarks/RESULTS.md). With Backend compiled, the
 #: backends compiled with it are native classes: their fields and methods are
 #: reached directly, not looked up by name (about a tenth of a memory command's
 #: CPU time); plugins that are not compiled still subclass it (it allows them).
 MQD = Native(
     "mqd",
     Path(__file__).resolve().parent,
-    ("backend", "backends.memory", "broker", "connection", "eager", "message", "protocol", "stats"),
+    (
+        "backend",
+        "backends.memory",
+        "broker",
+        "connection",
+        "eager",
+        "message",
+        "protocol",
+        "redis_server",
+        "resp",
+        "stats",
+    ),
 )
 
 

@@ -425,6 +425,7 @@ class RedisConnection(Connection):
         """INFO: a few fields clients look for, then the figures of memcached's `stats`."""
         config = self.server.config
         broker = self.broker
+        stats = await broker.stats()  # awaited apart: mypyc cannot spill it from a list display
         server: list[tuple[str, object]] = [
             ("redis_version", REDIS_VERSION),
             ("mqd_version", __version__),
@@ -437,7 +438,7 @@ class RedisConnection(Connection):
             ("Server", server),
             ("Clients", [("connected_clients", len(self.server.connections))]),
             ("Persistence", [("loading", 0)]),
-            ("Stats", await self.broker.stats()),
+            ("Stats", stats),
         ]
         text = "".join(
             f"# {title}\r\n" + "".join(f"{name}:{value}\r\n" for name, value in fields) + "\r\n"
