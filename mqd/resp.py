@@ -39,7 +39,6 @@ MAX_MULTIBULK = 1024 * 1024  # elements in one request
 MAX_BULK_LEN = 512 * 1024 * 1024  # Redis' proto-max-bulk-len: beyond it the stream is refused
 # Above this many bytes of arguments a request is read and discarded, not kept.
 MAX_REQUEST_SLACK = 64 * 1024
-SHAPES = 1024  # request shapes (argument lengths) a connection remembers
 
 # Redis' own error strings, where Redis has one; mqd's for the rest.
 ERRORS = {
@@ -217,7 +216,6 @@ class Parser:
         self._need = 0  # bytes of the current bulk string (with its \r\n) still to come
         self._swallow = 0  # bytes of a refused bulk string still to discard
         self._refused = False  # the current request is too large: discard, then answer
-        self._shapes: dict[tuple[int, ...], int] = {}  # argument lengths -> request bytes
 
     @property
     def partial(self) -> bool:
@@ -265,28 +263,29 @@ class Parser:
     def _canonical_size(self, request: object) -> int | None:
         """The bytes `request` takes, written canonically; None if the scanner must decide.
 
-        This runs for every request, so it is C-level iteration (join, map) and
-        a per-connection table of the argument-length shapes seen (a client
-        sends the same few shapes again and again).
+        `*<count>\r\n`, then `$<length>\r\n<bytes>\r\n` an element. This runs
+        for every request: one loop over its elements, which mypyc compiles.
+        (Joining the elements and a table of their lengths' shapes, the way that
+        is fastest interpreted, made `feed` three times as slow compiled: 620 to
+        656 ns a request of a pipeline of LPUSH and RPOP, against 198 to 211.)
         """
         if type(request) is not list:
             return None
-        try:
-            payload = len(b"".join(request))  # raises unless every element is bytes
-        except TypeError:
+        count = len(request)
+        if count > MAX_MULTIBULK:
             return None
-        shape = tuple(map(len, request))
-        size = self._shapes.get(shape)
-        if size is None:
-            if len(shape) > MAX_MULTIBULK or payload > self.max_request:
+        payload = 0
+        size = 3 + _digits(count)
+        max_bulk = self.max_bulk
+        for element in request:
+            if type(element) is not bytes:
                 return None
-            if shape and max(shape) > self.max_bulk:
+            length = len(element)
+            if length > max_bulk:
                 return None
-            digits = sum(map(len, map(str, shape)))
-            size = 3 + len(str(len(shape))) + 5 * len(shape) + payload + digits
-            if len(self._shapes) < SHAPES:
-                self._shapes[shape] = size
-        return size
+            payload += length
+            size += 5 + length + _digits(length)
+        return None if payload > self.max_request else size
 
     def _scan(self, data: bytes) -> list[Request | Failed]:
         """The framing scanner: any input, any split, Redis' rules and errors.
@@ -448,6 +447,15 @@ def error_reply(failure: ProtocolError | Failed) -> bytes:
     if isinstance(failure, Failed):
         return error(failure.message)
     return error(failure.message or "error", getattr(failure, "code", "ERR"))
+
+
+def _digits(n: int) -> int:
+    """How many decimal digits `n` (>= 0) is written with."""
+    digits = 1
+    while n >= 10:
+        n //= 10
+        digits += 1
+    return digits
 
 
 def quoted(raw: bytes, limit: int = 128) -> str:

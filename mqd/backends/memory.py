@@ -609,14 +609,16 @@ class MemoryBackend(Backend):
         q = self._queues.get(queue)
         if q is None:
             return None
-        heads = [m.created for m in q.reserved.values()]
-        if q.waiting:
-            heads.append(q.waiting[0].created)
+        # The oldest message's time, waiting or open; 0 when there is none.
+        head = q.waiting[0].created if q.waiting else 0.0
+        for message in q.reserved.values():
+            if not head or message.created < head:
+                head = message.created
         return QueueSize(
             items=len(q.waiting) + len(q.reserved),
             bytes=q.bytes,
             open=len(q.reserved),
-            head_created=min(heads, default=0),
+            head_created=head,
         )
 
 
