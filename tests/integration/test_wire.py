@@ -276,7 +276,8 @@ def test_waiting_get_is_woken_by_set(daemon: Daemon, q: str) -> None:
     start = time.monotonic()
     store(producer, q, b"hi")
     assert consumer.read_until(b"END\r\n") == value(q + "/t=3000", b"hi") + b"END\r\n"
-    assert time.monotonic() - start < 1.0
+    # Woken by the set, not by the 3 s timeout (with room for a busy machine).
+    assert time.monotonic() - start < 2.5
 
 
 def test_multi_key_wait_is_woken_by_either(daemon: Daemon, q: str) -> None:
