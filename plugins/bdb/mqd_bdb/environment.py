@@ -61,6 +61,7 @@ class Environment:
                     raise
                 self._close_env()
                 self._open_env()
+            self.space.dirty = self.dirty_bytes
             self.space.start(self.free_log)
         except BaseException as exc:
             self._close_env()
@@ -71,6 +72,15 @@ class Environment:
                     "then start again"
                 ) from exc
             raise
+
+    def dirty_bytes(self) -> int:
+        """Bytes of the cache's dirty pages: they reach the files at the next checkpoint."""
+        try:
+            totals, files = self.env.memp_stat()
+        except db.DBError:
+            return 0  # a panicked environment: the put that asked fails on its own
+        page = max((f["pagesize"] for f in files.values()), default=totals["pagesize"])
+        return int(totals["page_dirty"]) * int(page)
 
     def disk_full(self, exc: BaseException) -> bool:
         """Whether `exc` comes of a full disk.

@@ -13,7 +13,8 @@ accepted.
 
 `max_disk_bytes` bounds what the data directory may hold: puts are refused
 with `out of memory storing object` (memcached's reply for a full cache)
-once its files (the reserve aside) reach it.
+once its files (the reserve aside), with what a checkpoint and the next log
+file will add to them, reach it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from berkeleydb import db
 log = logging.getLogger("mqd.bdb")
 
 RESERVE_FILE = "reserve"
+LOG_PREFIX = "log."  # Berkeley DB's log files: log.0000000001, ...
 SCAN_S = 0.1  # the data directory's size is read again after this long
 LOOK_S = 0.5  # while the reserve is out: how often to look for room again
 FULL = "disk full"
@@ -60,6 +62,8 @@ class Space:
     """The reserve file and the byte guard of one data directory."""
 
     def __init__(self, data_dir: Path, reserve: int, max_disk_bytes: int) -> None:
+        #: Bytes of the cache's dirty pages, set once the environment is open.
+        self.dirty: Callable[[], int] = lambda: 0
         self.path = data_dir / RESERVE_FILE
         self.data_dir = data_dir
         self.reserve = reserve
@@ -163,10 +167,21 @@ class Space:
         return False
 
     def _scan(self) -> int:
-        """Bytes allocated to the data directory's files, the reserve aside."""
-        total = 0
+        """Bytes the data directory's files (the reserve aside) hold, or soon will.
+
+        Beyond what is allocated now, two things arrive without a put: the
+        cache's dirty pages, written to the files at a checkpoint while the
+        log still holds their records, and the next log file, which Berkeley
+        DB starts (zeroed ahead, by default) before the old ones can go. So
+        both are counted: the dirty pages, and room for one more log file as
+        large as the largest there.
+        """
+        total = largest_log = 0
         with os.scandir(self.data_dir) as entries:
             for entry in entries:
                 if entry.name != RESERVE_FILE and entry.is_file(follow_symlinks=False):
-                    total += entry.stat(follow_symlinks=False).st_blocks * 512
-        return total
+                    size = entry.stat(follow_symlinks=False).st_blocks * 512
+                    total += size
+                    if entry.name.startswith(LOG_PREFIX):
+                        largest_log = max(largest_log, size)
+        return total + largest_log + self.dirty()

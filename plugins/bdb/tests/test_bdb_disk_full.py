@@ -122,7 +122,7 @@ def test_start_on_a_full_disk_names_enospc_and_the_path(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_max_disk_bytes_refuses_sets_before_the_disk_fills(name: str, tmp_path: Path) -> None:
-    limit = 3 << 20
+    limit = 4 << 20
     daemon = Daemon(
         tmp_path, backend=name, config_text=config(name, storage=f"max_disk_bytes = {limit}\n")
     )
@@ -131,8 +131,17 @@ def test_max_disk_bytes_refuses_sets_before_the_disk_fills(name: str, tmp_path: 
         stored, refusal = fill(client, "q", itertools.count())
         assert refusal == "out of memory storing object"
         assert stored > 100
-        # Within what arrives between two looks at the directory (0.1 s).
-        assert data_bytes(daemon.data_dir) < limit + (2 << 20)
+        # A checkpoint writes the cache's dirty pages to the files while the
+        # log still holds them, and a log file may start before the old one
+        # goes: the directory stays under the bound through those too, sampled
+        # while sets keep coming (stored once a checkpoint frees room).
+        peak = 0
+        for _ in range(40):
+            peak = max(peak, data_bytes(daemon.data_dir))
+            with contextlib.suppress(MemcacheServerError):
+                client.set("q", BODY, noreply=False)
+            time.sleep(0.025)
+        assert peak < limit, peak
         assert client.get("q") is not None
         assert client.delete("q", noreply=False)
 
