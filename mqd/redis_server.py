@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mqd import __version__, resp
-from mqd.backend import Capability, Message, Put
+from mqd.backend import Capability, Message, Put, QueueSize
 from mqd.connection import Connection
 from mqd.errors import ClientError, NotSupported, ProtocolError, ServerError, StorageError
 from mqd.protocol import Key, Retrieve, Store, name_bytes, queue_name
@@ -159,7 +159,7 @@ class RedisConnection(Connection):
         for done, body in enumerate(values):
             if await self.broker.store(Store(False, queue, 0, 0, body, False), self) is Put.FULL:
                 raise ServerError(f"queue full: {done} of {len(values)} values stored")
-        return resp.integer(await self._length(queue))
+        return resp.integer(_items(await self.broker.size(queue)))
 
     async def do_pop(self, args: list[bytes]) -> bytes:
         """RPOP, LPOP key [count]: the head message(s)."""
@@ -193,11 +193,7 @@ class RedisConnection(Connection):
         return resp.array([name_bytes(queue), message.body])
 
     async def do_llen(self, args: list[bytes]) -> bytes:
-        return resp.integer(await self._length(self.queue(args[1])))
-
-    async def _length(self, queue: str) -> int:
-        size = await self.broker.size(queue)
-        return size.items if size else 0
+        return resp.integer(_items(await self.broker.size(self.queue(args[1]))))
 
     async def do_lmove(self, args: list[bytes]) -> bytes:
         """LMOVE src dst LEFT|RIGHT LEFT|RIGHT: src's head to dst's tail, durably."""
@@ -456,6 +452,11 @@ def _label(request: list[bytes]) -> str:
     """The metrics label of a request: `redis_<command>`, from a bounded set."""
     spec = COMMANDS.get(request[0].lower())
     return f"redis_{spec.name}" if spec else "redis_unknown"
+
+
+def _items(size: QueueSize | None) -> int:
+    """A queue's length as Redis counts it: 0 for one that does not exist."""
+    return size.items if size else 0
 
 
 def _copy(queue: str, message: Message) -> Store:
