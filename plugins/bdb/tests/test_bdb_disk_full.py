@@ -30,10 +30,17 @@ def config(name: str, extra: str = "", storage: str = "") -> str:
 
 
 def data_bytes(data_dir: Path) -> int:
-    """Blocks the data directory's files hold, the reserve aside."""
-    return sum(
-        p.stat().st_blocks * 512 for p in data_dir.iterdir() if p.is_file() and p.name != "reserve"
-    )
+    """Blocks the data directory's files hold, the reserve aside.
+
+    A file listed may be gone when it is looked at (a checkpoint removes old
+    log files meanwhile): it then holds nothing.
+    """
+    total = 0
+    for path in data_dir.iterdir():
+        if path.name != "reserve" and path.is_file():
+            with contextlib.suppress(FileNotFoundError):
+                total += path.stat().st_blocks * 512
+    return total
 
 
 def fill(client: Client, queue: str, ids: itertools.count[int]) -> tuple[int, str]:
