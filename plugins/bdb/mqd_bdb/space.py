@@ -180,7 +180,10 @@ class Space:
         with os.scandir(self.data_dir) as entries:
             for entry in entries:
                 if entry.name != RESERVE_FILE and entry.is_file(follow_symlinks=False):
-                    size = entry.stat(follow_symlinks=False).st_blocks * 512
+                    try:
+                        size = entry.stat(follow_symlinks=False).st_blocks * 512
+                    except FileNotFoundError:
+                        continue  # a log file the keeper thread removed meanwhile
                     total += size
                     if entry.name.startswith(LOG_PREFIX):
                         largest_log = max(largest_log, size)

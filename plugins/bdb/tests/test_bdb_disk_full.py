@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from bdb_helpers import NAMES, drain, fill_up, make, put, small_disk
 from mqd_bdb.backend import _BdbBackend
+from mqd_bdb.space import OVER, Space
 from pymemcache.client.base import Client
 from pymemcache.exceptions import MemcacheServerError
 
@@ -125,6 +126,29 @@ def test_start_on_a_full_disk_names_enospc_and_the_path(tmp_path: Path) -> None:
             assert Client(daemon.address, timeout=10).get("q") == b"kept"
         finally:
             daemon.kill()
+
+
+def test_the_byte_guard_skips_a_log_file_removed_while_it_looks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = tmp_path / "queues.db"
+    data.write_bytes(b"x" * 8192)
+    old_log = tmp_path / "log.0000000001"
+    old_log.write_bytes(b"x" * 8192)
+    listed = os.scandir
+
+    def scandir(path: Path) -> contextlib.nullcontext[list[os.DirEntry[str]]]:
+        # As the keeper thread may: the old log file goes between the listing and its stat.
+        with listed(path) as found:
+            entries = list(found)
+        old_log.unlink()
+        return contextlib.nullcontext(entries)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    held = data.stat().st_blocks * 512
+    space = Space(tmp_path, reserve=0, max_disk_bytes=held + 100)
+    assert space.refusal(100) is None  # the vanished log counts as nothing
+    assert space.refusal(1) == OVER  # and the database file is counted exactly
 
 
 @pytest.mark.parametrize("name", NAMES)
