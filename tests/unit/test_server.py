@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mqd import resp
 from mqd.backend import (
     Capability,
     Holder,
@@ -386,7 +387,8 @@ def test_held_redis_replies_count_what_came_before_and_become_resp_errors() -> N
 
         async def send(*requests: list[bytes]) -> bytes:
             before, releases = len(transport.written), len(backend.seen)
-            connection.data_received(b"".join(map(resp_request, requests)))
+            # A request is written as an array of bulk strings, as replies are.
+            connection.data_received(b"".join(map(resp.array, requests)))
             assert len(transport.written) == before  # held: nothing sent yet
             while len(backend.seen) == releases:
                 await asyncio.sleep(0)
@@ -400,10 +402,6 @@ def test_held_redis_replies_count_what_came_before_and_become_resp_errors() -> N
         assert voided == b"-ERR disk full\r\n" * 2
 
     asyncio.run(main())
-
-
-def resp_request(args: list[bytes]) -> bytes:
-    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in args)
 
 
 def test_a_pipeline_read_in_parts_is_answered_part_by_part_after_each_round() -> None:
