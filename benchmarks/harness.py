@@ -185,6 +185,12 @@ class Server:
         self.ready_timeout = ready_timeout
         self._log = open(self.dir / "server.log", "w+b")  # noqa: SIM115 (closed in stop)
         self.proc: subprocess.Popen[bytes] | None = None
+        # Where autogroup scheduling is on (Linux's default on desktops and
+        # most distributions), a session is a scheduling group: the server's
+        # threads together then get a fair share of the cores against the
+        # load generator's, instead of one share each. run_memtier.py
+        # --server-session shared turns this off to show the difference.
+        self.own_session = True
 
     @property
     def pid(self) -> int:
@@ -199,7 +205,10 @@ class Server:
             stderr=subprocess.STDOUT,
             cwd=self.dir,
             env=self.env,
-            start_new_session=True,  # a Ctrl-C on the terminal reaches us, not it
+            # Either way a process group of its own: a Ctrl-C on the terminal
+            # reaches us, not it, and stop() can end what it forked.
+            start_new_session=self.own_session,
+            process_group=None if self.own_session else 0,
         )
         deadline = time.monotonic() + self.ready_timeout
         while True:
@@ -223,8 +232,8 @@ class Server:
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
-                # Its own session, so its process group holds only it and
-                # what it forked (Redis's rewrite child, say): end them all.
+                # Its own process group holds only it and what it forked
+                # (Redis's rewrite child, say): end them all.
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)

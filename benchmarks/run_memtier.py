@@ -20,6 +20,15 @@ a round favours no side of a ratio):
   mqd bdb periodic          --backend bdb, sync = "periodic" (flushed every 1000 ms)
   redis appendfsync no      LPUSH / RPOP, append-only file, never fsynced by Redis
 
+Each server runs in a session of its own. Under autogroup scheduling (on
+where /proc/sys/kernel/sched_autogroup_enabled reads 1) a session is one
+scheduling group, so a server's threads together get a fair share of the
+cores against the load generator's, as one group: memcached's two threads
+then get about what mqd's one event loop thread gets. With --server-session
+shared each thread competes on its own, and memcached's two threads take
+more of the two cores than one thread can. The ratios of mqd memory to
+memcached depend on this much; benchmarks/RESULTS.md has both.
+
 memtier_benchmark is taken from --memtier, $MEMTIER_BENCHMARK, a
 `shared/tools/memtier_benchmark` beside this repository (or beside any
 directory above it), or PATH; without it, the project's own generator
@@ -83,6 +92,7 @@ class Options:
     size: int
     loop: str | None
     base_dir: str | None
+    own_session: bool
 
 
 @dataclass(frozen=True)
@@ -197,6 +207,15 @@ class Loadgen:
 Driver = Memtier | Loadgen
 
 
+def autogroup() -> str:
+    """Whether the kernel schedules by session (autogroup), which --server-session matters under."""
+    try:
+        on = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return "unknown"
+    return "on" if on else "off"
+
+
 def find_memtier(explicit: str | None) -> str | None:
     """memtier_benchmark: `explicit`, $MEMTIER_BENCHMARK, shared/tools/ up the tree, PATH."""
     if explicit:
@@ -259,7 +278,9 @@ def systems(mqds: list[Checkout]) -> list[System]:
 
 def measure(system: System, driver: Driver, o: Options) -> dict[int, Figures]:
     """Start `system`, measure each pipeline depth after a short warm-up, stop it."""
-    with system.start(o) as srv:
+    server = system.start(o)
+    server.own_session = o.own_session
+    with server as srv:
         if o.warmup > 0:
             driver.measure(srv, system.wire, 1, o.warmup, o)
         figures = {}
@@ -472,6 +493,15 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated names to run (default all): "
         + ", ".join([n for n, *_ in MQD_SYSTEMS] + [s.name for s in OTHER_SYSTEMS]),
     )
+    p.add_argument(
+        "--server-session",
+        choices=("own", "shared"),
+        default="own",
+        help="own: each server in a session of its own, so under autogroup scheduling its "
+        "threads share one scheduling group against memtier's (much as a daemon in a "
+        "control group of its own under systemd); shared: in memtier's session, each "
+        "server thread scheduled against each memtier thread",
+    )
     add_checkout_options(p)
     a = p.parse_args(argv)
     mqds = checkouts(a)
@@ -485,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         size=a.size,
         loop=a.loop if all("--loop" in mqd_serve_flags(c.exe) for c in mqds) else None,
         base_dir=a.tmpdir,
+        own_session=a.server_session == "own",
     )
     memtier = find_memtier(a.memtier) if a.generator != "loadgen" else None
     if a.generator == "memtier" and memtier is None:
@@ -504,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         f"driver: {driver.name}; "
         + "; ".join(f"mqd @{c.label}: {c.exe}" for c in mqds)
         + f"; loop {o.loop or 'default'}; data under {a.tmpdir or tempfile.gettempdir()}"
+        + f"; servers in {a.server_session} sessions (autogroup {autogroup()})"
     )
     # Rounds over all systems rather than one system's runs back to back: a
     # burst of other activity on the machine then hits every system alike.
