@@ -92,7 +92,7 @@ class Options:
     size: int
     loop: str | None
     base_dir: str | None
-    own_session: bool
+    own_session: bool = True  # see --server-session
 
 
 @dataclass(frozen=True)
