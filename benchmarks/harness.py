@@ -185,8 +185,8 @@ class Server:
         self.ready_timeout = ready_timeout
         self._log = open(self.dir / "server.log", "w+b")  # noqa: SIM115 (closed in stop)
         self.proc: subprocess.Popen[bytes] | None = None
-        # Where autogroup scheduling is on (Linux's default on desktops and
-        # most distributions), a session is a scheduling group: the server's
+        # Where autogroup scheduling is on (as in many distributions'
+        # kernels), a session is a scheduling group: the server's
         # threads together then get a fair share of the cores against the
         # load generator's, instead of one share each. run_memtier.py
         # --server-session shared turns this off to show the difference.
