@@ -208,7 +208,7 @@ Driver = Memtier | Loadgen
 
 
 def autogroup() -> str:
-    """"on" where the kernel groups threads by session, the case --server-session is for."""
+    """Whether the kernel groups threads by session, the case --server-session is for."""
     try:
         on = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
     except OSError:
