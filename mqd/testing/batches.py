@@ -216,10 +216,10 @@ class BatchConformance:
 
     def test_extend_many_keeps_leases(self, data_dir: Path) -> None:
         async def body(b: Backend) -> None:
-            held, receipts = await _reserved(b, [b"a", b"b", b"c"], lease=0.3)
+            held, receipts = await _reserved(b, [b"a", b"b", b"c"], lease=0.6)
             assert await b.ack_many(receipts[2:], sync=ALWAYS) == [True]
             assert await b.extend_many(receipts, lease=30, sync=ALWAYS) == [True, True, False]
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.8)
             assert await b.reclaim(_back, sync=ALWAYS) == []
             size = await b.size("q")
             assert size is not None and size.open == 2

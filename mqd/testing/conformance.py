@@ -428,10 +428,12 @@ class BackendConformance(BatchConformance):
         async def body(b: Backend) -> None:
             for m in (b"1", b"2"):
                 await self.put(b, "q", m)
-            r = await self.reserve(b, "q", lease=0.2)
+            # Half a second: room for a busy machine between the reserve and
+            # the first reclaim, which must find the lease still running.
+            r = await self.reserve(b, "q", lease=0.5)
             assert r.receipt is not None
             assert await b.reclaim(no_dead_letters, sync=ALWAYS) == []
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.6)
             returned = await b.reclaim(no_dead_letters, sync=ALWAYS)
             assert [(x.queue, x.message.offset, x.moved_to) for x in returned] == [
                 ("q", r.offset, None)
@@ -449,10 +451,10 @@ class BackendConformance(BatchConformance):
     def test_extend_keeps_lease(self, data_dir: Path) -> None:
         async def body(b: Backend) -> None:
             await self.put(b, "q", b"1")
-            r = await self.reserve(b, "q", lease=0.2)
+            r = await self.reserve(b, "q", lease=0.5)
             assert r.receipt is not None
             assert await b.extend(r.receipt, lease=30, sync=ALWAYS) is True
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.6)
             assert await b.reclaim(no_dead_letters, sync=ALWAYS) == []
             assert await b.ack(r.receipt, sync=ALWAYS) is True
 
