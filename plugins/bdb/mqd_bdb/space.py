@@ -14,7 +14,8 @@ accepted.
 `max_disk_bytes` bounds what the data directory may hold: puts are refused
 with `out of memory storing object` (memcached's reply for a full cache)
 once its files (the reserve aside), with what a checkpoint and the next log
-file will add to them, reach it.
+file will add to them and what the puts since it was measured will add,
+reach it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,18 @@ SCAN_S = 0.1  # the data directory's size is read again after this long
 LOOK_S = 0.5  # while the reserve is out: how often to look for room again
 FULL = "disk full"
 OVER = "out of memory storing object"
+# A record's key and headers, and its share of the index pages, more than
+# enough: a 4,008-byte body fills a 4,096-byte overflow page.
+RECORD_BYTES = 128
+
+
+def put_cost(size: int) -> int:
+    """Bytes a put of `size` body bytes adds before the next scan can see them.
+
+    Its record goes to the log at once, and into a database page that a
+    checkpoint writes to a file while the log still holds the record: twice.
+    """
+    return 2 * (size + RECORD_BYTES)
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -74,7 +87,7 @@ class Space:
         # on the worker thread, whose batches free room and retry on ENOSPC.
         self.low = False
         self._used = 0  # the data directory's bytes at the last scan ...
-        self._added = 0  # ... and body bytes put since
+        self._added = 0  # ... and what the puts since will add (put_cost)
         self._scanned = 0.0
         self._looked = 0.0
 
@@ -148,9 +161,10 @@ class Space:
             self._used = self._scan()
             self._added = 0
             self._scanned = now
-        if self._used + self._added + size > self.max_disk_bytes:
+        cost = put_cost(size)
+        if self._used + self._added + cost > self.max_disk_bytes:
             return OVER
-        self._added += size
+        self._added += cost
         return None
 
     def look(self) -> bool:

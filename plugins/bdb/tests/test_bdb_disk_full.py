@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from bdb_helpers import NAMES, drain, fill_up, make, put, small_disk
 from mqd_bdb.backend import _BdbBackend
-from mqd_bdb.space import OVER, Space
+from mqd_bdb.space import OVER, Space, put_cost
 from pymemcache.client.base import Client
 from pymemcache.exceptions import MemcacheServerError
 
@@ -146,7 +146,7 @@ def test_the_byte_guard_skips_a_log_file_removed_while_it_looks(
 
     monkeypatch.setattr(os, "scandir", scandir)
     held = data.stat().st_blocks * 512
-    space = Space(tmp_path, reserve=0, max_disk_bytes=held + 100)
+    space = Space(tmp_path, reserve=0, max_disk_bytes=held + put_cost(100))
     assert space.refusal(100) is None  # the vanished log counts as nothing
     assert space.refusal(1) == OVER  # and the database file is counted exactly
 
