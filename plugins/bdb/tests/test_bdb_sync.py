@@ -99,7 +99,11 @@ def test_cancelled_take_gives_the_message_back(name: str, tmp_path: Path) -> Non
                 assert size is not None and (size.items, size.open) == (1, 0)
             m = await b.take("q", sync=Sync.ALWAYS)
             assert m is not None and m.body == b"precious"
-            assert m.deliveries == 3  # the cancelled take is not counted; the reserves were
+            # The cancelled take is not counted. A reserve is when its job ran
+            # before the cancel came (the message then went out and came back),
+            # not when the cancel withdrew the job first: which, depends on how
+            # soon the worker thread ran it.
+            assert 1 <= m.deliveries <= 3
         finally:
             await b.close()
 
