@@ -348,10 +348,15 @@ def redrive(dead_letters: str, to: str | None, most: int | None, host: str, port
 
 @main.command()
 def version() -> None:
-    """Print mqd's version and whether its hot modules run compiled."""
+    """Print mqd's version, the Python it runs on and whether its hot modules run compiled."""
+    import platform
+
     from mqd import native
 
     click.echo(f"mqd {__version__}")
+    # The installation the venv was made from: builds of one release differ
+    # in speed (README, Set-up), so a benchmark says which one it measured.
+    click.echo(f"python {platform.python_version()} from {sys.base_prefix}")
     for build in native.builds():
         click.echo(f"modules of {build.package}: {build.state}")
 

@@ -22,6 +22,10 @@ so `import mqd.protocol` loads the compiled module, but only if:
   compiled code also relies on the types of what it imports). After any edit
   the pure-Python path is used until the next build, so a stale build is
   never run.
+- the build was made by this very interpreter (its `sys.version`, which names
+  the release and the build): extensions are compiled against one
+  interpreter's headers, and a .venv made anew on another Python of the same
+  minor version would otherwise load them.
 - for a plugin, mqd's own build is in use and came from the same run (its
   code is in mqd's shared library, and compiled against mqd's).
 
@@ -117,8 +121,9 @@ class Native:
     def current(self) -> bool:
         """Whether there is a build of these modules made from the sources present."""
         manifest = self.manifest() or {}
-        built = {key: manifest.get(key) for key in ("modules", "sources")}
-        return built == {"modules": list(self.modules), "sources": self.source_digest()}
+        built = {key: manifest.get(key) for key in ("modules", "sources", "python")}
+        present = {"modules": list(self.modules), "sources": self.source_digest()}
+        return built == {**present, "python": sys.version}
 
     def manifest_value(self, key: str) -> object:
         """One entry of the build's manifest (None: no build, or no such entry)."""
@@ -139,6 +144,9 @@ class Native:
             return
         if manifest.get("sources") != self.source_digest():
             self.state = "pure Python (the compiled build is older than the sources: run bin/setup)"
+            return
+        if manifest.get("python") != sys.version:
+            self.state = "pure Python (the compiled build is another Python's: run bin/setup)"
             return
         modules = manifest.get("modules")
         if not isinstance(modules, list):
@@ -237,7 +245,12 @@ def build(natives: Sequence[Native], force: bool = False) -> list[str]:
         run_id = hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
         staged = []
         for n in natives:
-            manifest = {"modules": list(n.modules), "sources": digests[n.package], "run": run_id}
+            manifest = {
+                "modules": list(n.modules),
+                "sources": digests[n.package],
+                "run": run_id,
+                "python": sys.version,
+            }
             if n.package == GROUP_OWNER:
                 manifest["packages"] = packages
             staging = n.build_dir.with_name(n.build_dir.name + ".new")

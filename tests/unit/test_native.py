@@ -81,7 +81,12 @@ def _plugin_build(run: object, monkeypatch: pytest.MonkeyPatch) -> tuple[native.
     monkeypatch.delenv(native.PURE_ENV, raising=False)
     plugin = _builds()["mqd_bdb"]
     build = native.Native("mqd_bdb", plugin.directory, plugin.modules, plugin.relies_on)
-    manifest = {"modules": list(plugin.modules), "sources": build.source_digest(), "run": run}
+    manifest = {
+        "modules": list(plugin.modules),
+        "sources": build.source_digest(),
+        "run": run,
+        "python": sys.version,
+    }
     monkeypatch.setattr(build, "manifest", lambda: manifest)
     path = ["/src/mqd_bdb"]
     build.activate(path)
@@ -142,3 +147,21 @@ def test_source_digest_follows_every_module_and_what_it_relies_on(tmp_path: Path
     (tmp_path / "base" / "c.py").write_text("z = 4\n")
     digests.add(build.source_digest())
     assert len(digests) == 3
+
+
+def test_a_build_made_by_another_python_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Compiled against another interpreter's headers (a .venv made anew on
+    # another release): never loaded, and not current, so bin/setup rebuilds it.
+    monkeypatch.delenv(native.PURE_ENV, raising=False)
+    build = native.Native("mqd", native.MQD.directory, ("protocol",))
+    manifest = {"modules": ["protocol"], "sources": build.source_digest(), "python": "3.11.0 (x)"}
+    monkeypatch.setattr(build, "manifest", lambda: manifest)
+    path: list[str] = ["/src/mqd"]
+    build.activate(path)
+    assert path == ["/src/mqd"]
+    assert "another Python's" in build.state
+    assert not build.current()
+    manifest["python"] = sys.version
+    assert build.current()
+    build.activate(path)
+    assert path[0] == str(build.build_dir / "mqd")
