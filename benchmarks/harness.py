@@ -94,6 +94,21 @@ def revision(directory: Path) -> str:
     return (rev or directory.name) + ("+" if dirty else "")
 
 
+def venv_python(exe: str) -> str:
+    """Which Python the venv of executable `exe` was made on, from its pyvenv.cfg.
+
+    The interpreter's build moves mqd's figures by up to a third (RESULTS.md,
+    "The interpreter"), so a run names it beside each mqd it measures.
+    """
+    cfg = Path(exe).resolve().parent.parent / "pyvenv.cfg"
+    try:
+        lines = cfg.read_text().splitlines()
+    except OSError:
+        return "python: not in a venv"
+    keys = dict(line.split(" = ", 1) for line in lines if " = " in line)
+    return f"python {keys.get('version', '?')} from {keys.get('home', '?')}"
+
+
 def child_json(script: str, args: Sequence[str], env: dict[str, str]) -> Any:
     """Run `script --child args` in a fresh interpreter with `env` added; the JSON it prints.
 

@@ -69,6 +69,7 @@ from harness import (
     mqd_serve_flags,
     print_table,
     redis,
+    venv_python,
 )
 from loadgen import LoadSpec
 
@@ -533,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"not installed, skipped: {', '.join(missing)}")
     console.print(
         f"driver: {driver.name}; "
-        + "; ".join(f"mqd @{c.label}: {c.exe}" for c in mqds)
+        + "; ".join(f"mqd @{c.label}: {c.exe} ({venv_python(c.exe)})" for c in mqds)
         + f"; loop {o.loop or 'default'}; data under {a.tmpdir or tempfile.gettempdir()}"
         + f"; servers in {a.server_session} sessions (autogroup {autogroup()})"
     )
