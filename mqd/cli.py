@@ -355,7 +355,7 @@ def version() -> None:
 
     click.echo(f"mqd {__version__}")
     # The installation the venv was made from: builds of one release differ
-    # in speed (README, Set-up), so a benchmark says which one it measured.
+    # in speed (README, The interpreter), so a benchmark says which one it measured.
     click.echo(f"python {platform.python_version()} from {sys.base_prefix}")
     for build in native.builds():
         click.echo(f"modules of {build.package}: {build.state}")
