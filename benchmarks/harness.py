@@ -97,8 +97,8 @@ def revision(directory: Path) -> str:
 def venv_python(exe: str) -> str:
     """Which Python the venv of executable `exe` was made on, from its pyvenv.cfg.
 
-    The interpreter's build moves mqd's figures by up to a third (RESULTS.md,
-    "The interpreter"), so a run names it beside each mqd it measures.
+    On a plain build of Python mqd's pipelined figures fell by up to a quarter
+    (RESULTS.md, "The interpreter"), so a run names it beside each mqd it measures.
     """
     cfg = Path(exe).resolve().parent.parent / "pyvenv.cfg"
     try:

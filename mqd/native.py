@@ -121,9 +121,12 @@ class Native:
     def current(self) -> bool:
         """Whether there is a build of these modules made from the sources present."""
         manifest = self.manifest() or {}
-        built = {key: manifest.get(key) for key in ("modules", "sources", "python")}
-        present = {"modules": list(self.modules), "sources": self.source_digest()}
-        return built == {**present, "python": sys.version}
+        wanted = {
+            "modules": list(self.modules),
+            "sources": self.source_digest(),
+            "python": sys.version,
+        }
+        return all(manifest.get(key) == value for key, value in wanted.items())
 
     def manifest_value(self, key: str) -> object:
         """One entry of the build's manifest (None: no build, or no such entry)."""
