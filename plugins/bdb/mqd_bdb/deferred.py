@@ -48,20 +48,26 @@ class DeferredPuts(BodyIndex):
 
     def __init__(self, data_dir: Path, config: BdbConfig) -> None:
         super().__init__(data_dir, config)
-        self._deferred: dict[str, Deferred] = {}  # by queue name, in the running batch
+        # By queue name, in the running batch. A queue's entry stays when its
+        # last deferred put is taken: a consumer that keeps up empties it at
+        # every take, and the next put would make it anew. `_waiting` counts
+        # the puts in them.
+        self._deferred: dict[str, Deferred] = {}
+        self._waiting = 0
         # The queues whose message records the running batch reached, None: any (written()).
         self._written: set[str] | None = set()
 
     def _start_run(self) -> None:
         # What an aborted transaction deferred went with it: start afresh.
         self._deferred = {}
+        self._waiting = 0
         self._written = set()
 
     def written(self) -> set[str] | None:
         return self._written
 
     def quiet(self) -> bool:
-        return not (self._written is None or self._written or self._deferred)
+        return not (self._written is None or self._written or self._waiting)
 
     def _wrote_to(self, name: str | None) -> None:
         """The running batch reached message records of queue `name` (None: of any)."""
@@ -73,25 +79,30 @@ class DeferredPuts(BodyIndex):
 
     def run_job(self, txn: Any, op: int, name: str, arg: Any) -> Any:
         if op != jobs.PUT:
-            deferred = self._deferred
-            if deferred:
+            if self._waiting:
                 if op == jobs.TAKE:
-                    pair = deferred.get(name)
+                    pair = self._deferred.get(name)
                     # Whatever waits on disk is older than every deferred put.
-                    if pair is not None and pair[0].items - pair[0].open == len(pair[1]):
+                    if (
+                        pair is not None
+                        and pair[1]
+                        and pair[0].items - pair[0].open == len(pair[1])
+                    ):
                         return self._take_deferred(name)
                 else:
                     self._write_deferred(txn, None if op in ANY_QUEUE else name)
-            value = self._ops[op](txn, name, arg)
+            # The loop's two jobs called directly: a native call, where the
+            # table's bound methods go through Python's calling convention.
+            value = self.take(txn, name, arg) if op == jobs.TAKE else self._ops[op](txn, name, arg)
             # A take that found nothing changed nothing (consumers polling an
             # empty queue cost no sync); any other job may have.
             if value is not None or op != jobs.TAKE:
                 self._wrote_to(name if op == jobs.TAKE else None)
             return value
-        return self._ops[op](txn, name, arg)
+        return self.put(txn, name, arg)
 
     def _end_run(self, txn: Any) -> None:
-        if self._deferred:
+        if self._waiting:
             self._write_deferred(txn, None)
 
     def settle(self, txn: Any, name: str) -> None:
@@ -102,7 +113,7 @@ class DeferredPuts(BodyIndex):
         # disk, which its sync covers anyway; a connection's own takes,
         # already run, paired what they could.
         pair = self._deferred.get(name)
-        if pair is not None and pair[0].items - pair[0].open > len(pair[1]):
+        if pair is not None and pair[1] and pair[0].items - pair[0].open > len(pair[1]):
             self._write_deferred(txn, name)
 
     def put(
@@ -126,14 +137,14 @@ class DeferredPuts(BodyIndex):
             self._deferred[name] = (q, [message])
         else:
             pair[1].append(message)
+        self._waiting += 1
         return PUT_STORED
 
     def _take_deferred(self, name: str) -> Message:
         """Nothing waits on disk: hand out the oldest deferred put, never written."""
         q, waiting = self._deferred[name]
         put = waiting.pop(0)
-        if not waiting:
-            del self._deferred[name]
+        self._waiting -= 1
         self.paired += 1
         offset = put.offset
         # With no message open, every record of the queue is a deferred put, so
@@ -153,6 +164,9 @@ class DeferredPuts(BodyIndex):
             pair = deferred.pop(name, None)
             pairs = [] if pair is None else [pair]
         for q, waiting in pairs:
+            if not waiting:
+                continue  # all taken: nothing to write
+            self._waiting -= len(waiting)
             self._wrote_to(q.name)
             if q.head_dirty and q.items == len(waiting):
                 # The head is unknown (what was the head left the queue), and
