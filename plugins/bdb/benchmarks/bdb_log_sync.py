@@ -46,6 +46,7 @@ def measure(where: Path, zero: bool, aio: bool, batches: int, puts: int) -> None
     loop = asyncio.new_event_loop()
     ended: list[asyncio.Future[OSError | None]] = []
     syncer = LogSync(loop, lambda _, error: ended[-1].set_result(error)) if aio else None
+    where.mkdir(parents=True, exist_ok=True)  # --dir may name one not made yet
     with tempfile.TemporaryDirectory(dir=where) as tmp:
         store = SingleStore(Path(tmp), config)
         store.open()
