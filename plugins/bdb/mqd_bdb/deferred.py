@@ -91,15 +91,13 @@ class DeferredPuts(BodyIndex):
                         return self._take_deferred(name)
                 else:
                     self._write_deferred(txn, None if op in ANY_QUEUE else name)
-            # The loop's two jobs called directly: a native call, where the
-            # table's bound methods go through Python's calling convention.
-            value = self.take(txn, name, arg) if op == jobs.TAKE else self._ops[op](txn, name, arg)
+            value = self._ops[op](txn, name, arg)
             # A take that found nothing changed nothing (consumers polling an
             # empty queue cost no sync); any other job may have.
             if value is not None or op != jobs.TAKE:
                 self._wrote_to(name if op == jobs.TAKE else None)
             return value
-        return self.put(txn, name, arg)
+        return self._ops[op](txn, name, arg)
 
     def _end_run(self, txn: Any) -> None:
         if self._waiting:
