@@ -131,7 +131,9 @@ class DeferredPuts(BodyIndex):
         message.offset = q.next_offset
         self._counted_in(q, message)
         pair = self._deferred.get(name)
-        if pair is None:
+        if pair is None or pair[0] is not q:
+            # An entry left empty may be that of a queue deleted since in
+            # this batch (any other job wrote what it held): start it anew.
             self._deferred[name] = (q, [message])
         else:
             pair[1].append(message)

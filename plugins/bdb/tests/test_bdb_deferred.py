@@ -124,6 +124,47 @@ def test_one_batch_gives_what_one_by_one_gives(name: str, seed: int, tmp_path: P
     assert session(name, together, after_restart) == session(name, apart, after_restart)
 
 
+def _delete(queue: str) -> Call:
+    async def call(b: _BdbBackend) -> Any:
+        return await b.delete(queue, sync=ALWAYS)
+
+    return call
+
+
+@pytest.mark.parametrize("name", FIFO_NAMES)
+def test_a_queue_deleted_and_made_again_in_the_batch_of_a_pair(name: str, tmp_path: Path) -> None:
+    """A put and its take, the queue deleted, then put to again: all in one batch, as one by one.
+
+    The pair leaves the queue's entry of deferred puts empty; the put after
+    the delete must go to the queue made anew, not to the one deleted.
+    """
+    calls = [
+        _peek("other"),  # not a quick job: the whole bundle goes to the worker thread
+        _put("q", b"a", 1.0),
+        _take("q"),
+        _delete("q"),
+        _put("q", b"b", 2.0),
+        _put("q", b"c", 3.0),
+        _take("q"),
+    ]
+
+    async def batched(b: _BdbBackend) -> Any:
+        return await in_one_batch(b, calls), await _state(b)
+
+    async def one_by_one(b: _BdbBackend) -> Any:
+        return [await call(b) for call in calls], await _state(b)
+
+    together, apart = tmp_path / "together", tmp_path / "apart"
+    assert session(name, together, batched) == session(name, apart, one_by_one)
+
+    async def after_restart(b: _BdbBackend) -> Any:
+        return await _state(b), [(m.body, m.offset) for m in await drain(b, "q")]
+
+    left = session(name, together, after_restart)
+    assert left == session(name, apart, after_restart)
+    assert [body for body, _ in left[1]] == [b"c"]
+
+
 @pytest.mark.parametrize("name", FIFO_NAMES)
 def test_paired_take_does_not_come_back_after_a_restart(name: str, tmp_path: Path) -> None:
     async def body(b: _BdbBackend) -> None:
