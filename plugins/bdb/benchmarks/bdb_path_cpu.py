@@ -28,9 +28,8 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
-from run_path import BODY, CountingTransport
+from run_path import SET, CountingTransport
 
-SET = b"set q1 0 0 %d\r\n%b\r\n" % (len(BODY), BODY)
 GET = b"get q1\r\n"
 READS = 64  # reads per timed round
 
