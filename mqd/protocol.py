@@ -237,6 +237,18 @@ def _signed(token: bytes) -> int | None:
     return value if -(2**63) <= value < 2**63 else None
 
 
+def tokens_of(line: bytes) -> list[bytes]:
+    """A command line's tokens: memcached separates them by spaces alone.
+
+    A tab or another control byte is part of its token, so in a key it makes
+    a bad key rather than two keys; runs of spaces count as one.
+    """
+    tokens = line.split(b" ")
+    if b"" in tokens:
+        tokens = [token for token in tokens if token]
+    return tokens
+
+
 def queue_name(raw: bytes) -> str | None:
     """The queue name `raw` names, or None if the protocol does not allow it.
 
@@ -447,7 +459,7 @@ class Parser:
                     out.append(Retrieve([key], False))
                     continue
             elif line[:4] == b"set ":
-                tokens = line.split()
+                tokens = line.split(b" ")
                 if len(tokens) == 5:
                     nbytes = tokens[4]
                     block = pos + int(nbytes) + 2 if nbytes.isdigit() else 0
@@ -528,7 +540,7 @@ class Parser:
         return Store(add, queue, flags, exptime, data[start : end - 2], noreply)
 
     def _command(self, line: bytes) -> Command | None:
-        tokens = line.split()
+        tokens = tokens_of(line)
         if not tokens:
             return Failed(UnknownCommand())
         handler = _HANDLERS.get(tokens[0])

@@ -92,9 +92,11 @@ def test_error_replies(raw: Raw) -> None:
 
 
 def test_bad_keys_swallow_the_block(raw: Raw) -> None:
-    for key in (b"a/b", b"a+b+c", b"+b", b"a+", b"\x01", b"k" * 251):
+    for key in (b"a/b", b"a+b+c", b"+b", b"a+", b"\x01", b"q\tx", b"q\x0c", b"k" * 251):
         raw.call(b"set %b 0 0 5\r\nhello\r\n" % key, BAD)
     raw.call(b"get a+b+c\r\n", BAD)
+    raw.call(b"get q\tx\r\n", BAD)
+    raw.call(b"get q\r\r\n", BAD)
     raw.call(b"get q/peek/open\r\n", BAD)
     raw.call(b"get q/abort/close\r\n", BAD)
     raw.call(b"get q/nonsense\r\n", BAD)

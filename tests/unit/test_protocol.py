@@ -173,6 +173,13 @@ def test_range_options() -> None:
         (b"verbosity 1\r\n", Verbosity(False)),
         (b"verbosity\r\n", BAD),
         (b"quit\r\n", Quit()),
+        # Tokens are separated by spaces alone, as memcached's are: a tab or
+        # another control byte stays in its key, which is then a bad key.
+        (b"get a\tb\r\n", BAD),
+        (b"get a b\x0bc\r\n", BAD),
+        (b"get a\r\r\n", BAD),
+        (b"delete q\x0c\r\n", BAD),
+        (b"  delete   q  \r\n", Delete("q", False)),
     ],
 )
 def test_lines(line: bytes, expected: object) -> None:
@@ -186,6 +193,8 @@ def test_lines(line: bytes, expected: object) -> None:
         (b"set q x 0 1\r\nx\r\n", ClientError("bad command line format")),
         (b"set q 4294967296 0 1\r\nx\r\n", ClientError("bad command line format")),
         (b"set q 0 0 1 junk\r\nx\r\n", ClientError("bad command line format")),
+        (b"set q\tx 0 0 1\r\nx\r\n", ClientError("bad command line format")),
+        (b"set q\x0c 0 0 1\r\nx\r\n", ClientError("bad command line format")),
         (b"set q 0 0 1\r\nxyz\r\n", ClientError("bad data chunk")),
         (b"replace q 0 0 1\r\nx\r\n", ClientError("replace not supported")),
         (b"cas q 0 0 1 99\r\nx\r\n", ClientError("cas not supported")),
