@@ -320,8 +320,14 @@ class Broker:
 
     # -- dequeue -----------------------------------------------------------
 
-    async def retrieve(self, command: Retrieve, session: Session) -> Hits:
-        """`get` or `gets`, with every option and multiple keys: the values, in key order."""
+    async def retrieve(
+        self, command: Retrieve, session: Session, holder: Holder | None = None
+    ) -> Hits:
+        """`get` or `gets`, with every option and multiple keys: the values, in key order.
+
+        `holder`: as for take(), for the keys that take (a many-key get's
+        takes then share one commit instead of one each).
+        """
         keys = command.keys
         if len(keys) == 1 and keys[0].plain:
             # `get <queue>`: what most consumers send, without the general machinery.
@@ -337,7 +343,7 @@ class Broker:
         start = loop.time()
         hits: Hits = []
         try:
-            await self._pass(keys, session, hits, first=True)
+            await self._pass(keys, session, hits, holder, first=True)
             waits = [k for k in keys if k.wait_ms]
             while not hits and waits and not self.stopping:
                 now = loop.time()
@@ -346,7 +352,7 @@ class Broker:
                     break
                 deadline = max(start + self._wait_of(k) for k in live)
                 await self._wait([k.queue for k in live], deadline - now, session)
-                await self._pass(live, session, hits, first=False)
+                await self._pass(live, session, hits, holder, first=False)
         except Exception:
             if not hits:
                 raise
@@ -388,15 +394,23 @@ class Broker:
                 opening.add(key.queue)
 
     async def _pass(
-        self, keys: Iterable[Key], session: Session, hits: Hits, *, first: bool
+        self,
+        keys: Iterable[Key],
+        session: Session,
+        hits: Hits,
+        holder: Holder | None,
+        *,
+        first: bool,
     ) -> None:
         """Serve each key once, adding what was found to `hits`."""
         for key in keys:
-            message = await self._serve(key, session, first)
+            message = await self._serve(key, session, holder, first)
             if message is not None:
                 hits.append((key, message))
 
-    async def _serve(self, key: Key, session: Session, first: bool) -> Message | None:
+    async def _serve(
+        self, key: Key, session: Session, holder: Holder | None, first: bool
+    ) -> Message | None:
         queue = key.queue
         state = self.state(queue)
         if self._stamp:
@@ -419,7 +433,7 @@ class Broker:
             return await self._peek(queue)
         if key.open:
             return await self._open(queue, session)
-        return await self.take(queue, counted=False)
+        return await self.take(queue, counted=False, holder=holder)
 
     def _child_limits(self, child: str) -> Limits:
         """A fanout child's limits: its own settings, by its own name."""

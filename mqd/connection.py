@@ -116,6 +116,7 @@ class Connection(asyncio.Protocol):
         # the index of `out` its replies start at, wait here (rounds end in
         # the order they ran, so these end after `_held`, in this order).
         self._held_later: list[tuple[Pending, int]] = []
+        self._unheld: asyncio.Future[None] | None = None  # set once nothing is held
         self._closing = False  # closed, the held replies still to send
 
     # -- asyncio.Protocol ----------------------------------------------------
@@ -333,7 +334,7 @@ class Connection(asyncio.Protocol):
                 keys = command.keys
                 if len(keys) > GET_PIECE and all(k.plain or k.peek or k.at for k in keys):
                     return await self._retrieve_in_pieces(command)
-                hits = await self.broker.retrieve(command, self.session)
+                hits = await self.broker.retrieve(command, self.session, self)
                 return protocol.values_reply(hits, command.with_ids)
             return await _DISPATCH[kind](self, command)
         except Exception as error:
@@ -475,6 +476,9 @@ class Connection(asyncio.Protocol):
             return
         self._held = None
         self._send(to_client)
+        unheld, self._unheld = self._unheld, None
+        if unheld is not None and not unheld.done():
+            unheld.set_result(None)
         if closing:
             self._closing = False
             if transport is not None:
@@ -514,9 +518,14 @@ class Connection(asyncio.Protocol):
         keys = command.keys
         for first in range(0, len(keys), GET_PIECE):
             piece = Retrieve(keys[first : first + GET_PIECE], command.with_ids)
-            hits = await self.broker.retrieve(piece, self.session)
+            hits = await self.broker.retrieve(piece, self.session, self)
             self.out.append(protocol.values_reply(hits, command.with_ids)[: -len(END)])
             self.flush()
+            if self._held is not None:
+                # The piece's takes wait for their commit: the next piece
+                # waits with them, so that one piece's values are held at most.
+                self._unheld = self.server.loop.create_future()
+                await self._unheld
             if self._writable is not None:
                 await self._writable
         return END
