@@ -517,6 +517,8 @@ class Connection(asyncio.Protocol):
         """
         keys = command.keys
         for first in range(0, len(keys), GET_PIECE):
+            if self.closed:
+                break  # the client is gone: take nothing more for it
             piece = Retrieve(keys[first : first + GET_PIECE], command.with_ids)
             hits = await self.broker.retrieve(piece, self.session, self)
             self.out.append(protocol.values_reply(hits, command.with_ids)[: -len(END)])

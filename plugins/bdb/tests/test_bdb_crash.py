@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,30 @@ def test_a_many_key_get_answers_only_what_a_kill_cannot_bring_back(
         assert taken + left == sent
     else:
         assert sorted(taken + left) == sent
+
+
+def test_a_many_key_get_takes_nothing_more_once_its_client_is_gone(tmp_path: Path) -> None:
+    """Each piece waits for its commit; a client gone by then gets no more pieces taken."""
+    count = 8000
+    with Daemon(tmp_path, backend="bdb") as daemon:
+        conn = Raw(daemon.address)
+        for _ in range(0, count, 500):
+            conn.send(b"set q 0 0 1 noreply\r\nx\r\n" * 500)
+        conn.call(b"version\r\n", b"VERSION 0.1.0\r\n")
+        conn.send(b"get" + b" q" * count + b"\r\n")
+        conn.sock.close()  # before any of the reply comes
+        watch = Raw(daemon.address)
+
+        def items() -> int:
+            watch.send(b"stats\r\n")
+            stats = watch.read_until(b"END\r\n")
+            return int(stats.split(b"STAT curr_items ")[1].split(b"\r\n")[0])
+
+        # Until the count stays put: a get that went on taking would bring it
+        # down by hundreds between two looks.
+        before, left = -1, items()
+        deadline = time.monotonic() + 10
+        while left != before and time.monotonic() < deadline:
+            time.sleep(0.3)
+            before, left = left, items()
+    assert left == before and left >= count - 10 * 32, (before, left)
