@@ -51,7 +51,7 @@ def test_pymemcache_add_and_stats(daemon: Daemon, q: str) -> None:
     assert client.add(q, b"x", noreply=False) is False
     stats = client.stats()
     assert stats[f"queue_{q}_items".encode()] == 1
-    assert client.version() == b"0.1.0"
+    assert client.version() == b"1.0.0"
 
 
 def test_python_memcached(daemon: Daemon, q: str) -> None:
@@ -82,3 +82,20 @@ def test_libmemcached_tools(daemon: Daemon, q: str, tmp_path: Path) -> None:
         # memccat prints the value and then a newline of its own.
         assert (got.returncode, got.stdout) == (0, b"from libmemcached\n\n")
     assert subprocess.run(["memccat", servers, q], capture_output=True, timeout=30).returncode != 0
+
+
+@pytest.mark.skipif(
+    shutil.which("memcstat") is None,
+    reason="needs libmemcached's tools: apt-get install libmemcached-tools (bin/setup --test does)",
+)
+def test_libmemcached_reads_the_version_and_stats(daemon: Daemon) -> None:
+    # libmemcached refuses a server whose major version is 0 ("strtol() failed
+    # to parse major version"), and with it every stats call of its clients
+    # (PHP's Memcached, memcstat), which ask the version first.
+    servers = f"--servers=127.0.0.1:{daemon.port}"
+    ping = subprocess.run(["memcping", servers], capture_output=True, timeout=30)
+    assert ping.returncode == 0, ping.stderr
+    stats = subprocess.run(["memcstat", servers], capture_output=True, text=True, timeout=30)
+    assert stats.returncode == 0, stats.stderr
+    assert f"Server: 127.0.0.1 ({daemon.port})" in stats.stdout
+    assert "\tcurr_items: " in stats.stdout

@@ -109,15 +109,15 @@ def test_flush_all(tmp_path: Path) -> None:
     with Daemon(tmp_path, config_text="[server]\nallow_flush_all = false\n") as d:
         conn = Raw(d.address)
         conn.call(b"flush_all\r\n", b"CLIENT_ERROR flush_all disabled\r\n")
-        conn.call(b"flush_all noreply\r\nversion\r\n", b"VERSION 0.1.0\r\n")
+        conn.call(b"flush_all noreply\r\nversion\r\n", b"VERSION 1.0.0\r\n")
 
 
 def test_max_connections_and_idle_timeout(tmp_path: Path) -> None:
     config = "[server]\nmax_connections = 2\nidle_timeout = 1\n"
     with Daemon(tmp_path, config_text=config) as d:
         first, second = Raw(d.address), Raw(d.address)
-        first.call(b"version\r\n", b"VERSION 0.1.0\r\n")
-        second.call(b"version\r\n", b"VERSION 0.1.0\r\n")
+        first.call(b"version\r\n", b"VERSION 1.0.0\r\n")
+        second.call(b"version\r\n", b"VERSION 1.0.0\r\n")
         third = Raw(d.address)
         assert third.read_until(b"\r\n") == b"ERROR Too many open connections\r\n"
         assert third.closed()
@@ -230,7 +230,7 @@ def test_flags_and_environment_override_the_file(tmp_path: Path) -> None:
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             try:
-                Raw(("127.0.0.1", int(port))).call(b"version\r\n", b"VERSION 0.1.0\r\n")
+                Raw(("127.0.0.1", int(port))).call(b"version\r\n", b"VERSION 1.0.0\r\n")
                 break
             except OSError:
                 time.sleep(0.05)

@@ -29,7 +29,7 @@ class Limited(Daemon):
 def test_client_over_max_connections_reads_the_error_line(tmp_path: Path) -> None:
     with Daemon(tmp_path, config_text="[server]\nmax_connections = 1\n") as d:
         first = Raw(d.address)
-        first.call(b"version\r\n", b"VERSION 0.1.0\r\n")
+        first.call(b"version\r\n", b"VERSION 1.0.0\r\n")
         for _ in range(5):
             extra = Raw(d.address)
             # Commands sent before the refusal are read, not left to reset the line.
@@ -37,7 +37,7 @@ def test_client_over_max_connections_reads_the_error_line(tmp_path: Path) -> Non
             assert extra.read_until(b"\r\n") == b"ERROR Too many open connections\r\n"
             assert extra.closed()
             extra.close()
-        first.call(b"version\r\n", b"VERSION 0.1.0\r\n")
+        first.call(b"version\r\n", b"VERSION 1.0.0\r\n")
     assert d.log().count("refused a connection") == 1  # repeated refusals: one line
 
 
@@ -55,7 +55,7 @@ def test_descriptor_limit_caps_connections_and_clients_get_an_answer(tmp_path: P
             conn.send(b"version\r\n")
         for conn in clients:
             line = conn.read_until(b"\r\n")  # every client gets an answer, none hangs
-            if line == b"VERSION 0.1.0\r\n":
+            if line == b"VERSION 1.0.0\r\n":
                 outcomes["served"] += 1
             else:
                 assert line == b"ERROR Too many open connections\r\n"
@@ -92,7 +92,7 @@ def test_a_command_trickling_in_is_cut_off(tmp_path: Path) -> None:
             # A client that sends whole commands slower than that is not idle.
             steady = Raw(d.address)
             for _ in range(4):
-                steady.call(b"version\r\n", b"VERSION 0.1.0\r\n")
+                steady.call(b"version\r\n", b"VERSION 1.0.0\r\n")
                 time.sleep(0.4)
 
 

@@ -211,7 +211,7 @@ def test_commands_before_login_are_refused(auth_daemon: Daemon) -> None:
     conn.call(b"version\r\n", b"CLIENT_ERROR unauthenticated\r\n")
     # The password is everything after the first space, spaces included.
     conn.call(b"set x 0 0 17\r\nalice s3cret pass\r\n", b"STORED\r\n")
-    conn.call(b"version\r\n", b"VERSION 0.1.0\r\n")
+    conn.call(b"version\r\n", b"VERSION 1.0.0\r\n")
     conn.call(
         b"set authq 0 0 1\r\n1\r\nget authq\r\n", b"STORED\r\nVALUE authq 0 1\r\n1\r\nEND\r\n"
     )

@@ -64,7 +64,7 @@ def test_delete_and_flush_all(raw: Raw, q: str) -> None:
     store(raw, q, b"x")
     raw.call(b"delete %b\r\n" % q.encode(), b"DELETED\r\n")
     raw.call(b"delete %b\r\n" % q.encode(), b"NOT_FOUND\r\n")
-    raw.call(b"delete %b noreply\r\nversion\r\n" % q.encode(), b"VERSION 0.1.0\r\n")
+    raw.call(b"delete %b noreply\r\nversion\r\n" % q.encode(), b"VERSION 1.0.0\r\n")
     other = q + "-other"
     for name in (q, other):
         store(raw, name, b"x")
@@ -87,7 +87,7 @@ def test_error_replies(raw: Raw) -> None:
     raw.call(b"version extra\r\n", BAD)
     raw.call(b"verbosity x\r\n", BAD)
     raw.call(b"verbosity 1\r\n", b"OK\r\n")
-    raw.call(b"verbosity 1 noreply\r\nversion\r\n", b"VERSION 0.1.0\r\n")
+    raw.call(b"verbosity 1 noreply\r\nversion\r\n", b"VERSION 1.0.0\r\n")
     raw.call(b"stats bogus\r\n", b"ERROR\r\n")
 
 
@@ -102,7 +102,7 @@ def test_bad_keys_swallow_the_block(raw: Raw) -> None:
     raw.call(b"get q/nonsense\r\n", BAD)
     raw.call(b"set q x 0 1\r\nz\r\n", BAD)
     raw.call(b"set q 0 zz 1\r\nz\r\n", BAD)
-    raw.call(b"version\r\n", b"VERSION 0.1.0\r\n")
+    raw.call(b"version\r\n", b"VERSION 1.0.0\r\n")
 
 
 def test_unsupported_commands(raw: Raw, q: str) -> None:
@@ -116,7 +116,7 @@ def test_unsupported_commands(raw: Raw, q: str) -> None:
         verb = line.split()[0]
         raw.call(line + b"\r\n", b"CLIENT_ERROR %b not supported\r\n" % verb)
     raw.call(
-        b"append q 0 0 3 noreply\r\nabc\r\nincr q 1 noreply\r\nversion\r\n", b"VERSION 0.1.0\r\n"
+        b"append q 0 0 3 noreply\r\nabc\r\nincr q 1 noreply\r\nversion\r\n", b"VERSION 1.0.0\r\n"
     )
     raw.call(b"get %b\r\n" % q.encode(), b"END\r\n")
 
@@ -293,7 +293,7 @@ def test_multi_key_wait_is_woken_by_either(daemon: Daemon, q: str) -> None:
 
 def test_wait_times_out_in_order(raw: Raw, q: str) -> None:
     start = time.monotonic()
-    raw.call(b"get %b/t=300\r\nversion\r\n" % q.encode(), b"END\r\nVERSION 0.1.0\r\n")
+    raw.call(b"get %b/t=300\r\nversion\r\n" % q.encode(), b"END\r\nVERSION 1.0.0\r\n")
     assert 0.25 < time.monotonic() - start < 2.0
 
 

@@ -215,7 +215,7 @@ def test_unique_queue_on_a_backend_without_uniqueness() -> None:
 
 def test_quit_closes_after_earlier_replies() -> None:
     reply = talk([b"version\r\nquit\r\nversion\r\n"])
-    assert reply == b"VERSION 0.1.0\r\n"
+    assert reply == b"VERSION 1.0.0\r\n"
 
 
 def test_exptime_out_of_range_is_refused_on_every_path() -> None:
@@ -230,7 +230,7 @@ def test_exptime_out_of_range_is_refused_on_every_path() -> None:
 
 def test_numbers_too_long_for_int_are_a_client_error() -> None:
     reply = talk([b"get a/t=" + b"9" * 5000 + b"\r\nversion\r\n"])
-    assert reply == b"CLIENT_ERROR bad command line format\r\nVERSION 0.1.0\r\n"
+    assert reply == b"CLIENT_ERROR bad command line format\r\nVERSION 1.0.0\r\n"
 
 
 stream_parts = st.sampled_from(

@@ -68,7 +68,7 @@ def test_a_many_key_get_takes_nothing_more_once_its_client_is_gone(tmp_path: Pat
         conn = Raw(daemon.address)
         for _ in range(0, count, 500):
             conn.send(b"set q 0 0 1 noreply\r\nx\r\n" * 500)
-        conn.call(b"version\r\n", b"VERSION 0.1.0\r\n")
+        conn.call(b"version\r\n", b"VERSION 1.0.0\r\n")
         conn.send(b"get" + b" q" * count + b"\r\n")
         conn.sock.close()  # before any of the reply comes
         watch = Raw(daemon.address)
