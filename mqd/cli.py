@@ -311,7 +311,9 @@ REDRIVE_BATCH = 500  # messages per round trip: progress stays live on a large q
 @click.option("--to", "to", default=None, help="Queue to move them to.  [default: where each died]")
 @click.option("--max", "most", type=click.IntRange(min=1), default=None, help="Move at most N.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Daemon address.")
-@click.option("--port", default=22133, show_default=True, help="Daemon port.")
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=22133, show_default=True, help="Daemon port."
+)
 def redrive(dead_letters: str, to: str | None, most: int | None, host: str, port: int) -> None:
     """Move messages out of a dead-letter queue, back where they died (or --to a queue)."""
     from pymemcache.client.base import Client

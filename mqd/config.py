@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import logging
+import math
 import re
 import tomllib
 import uuid
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mqd import backend as backends
+from mqd import protocol
 from mqd.backend import StorageOptions, Sync
 from mqd.errors import BackendLoadError, ConfigError
 
@@ -184,10 +186,11 @@ class TableReader:
         return value
 
     def number(self, key: str, low: float = 0.0, *, above: bool = False) -> float:
-        """A number of at least `low` (more than `low` with `above`)."""
-        allowed = f"must be a number {'above' if above else 'of at least'} {low}"
+        """A finite number of at least `low` (more than `low` with `above`)."""
+        allowed = f"must be a finite number {'above' if above else 'of at least'} {low}"
         value = self.take(key, (int, float), allowed)
-        if value < low or (above and value == low):
+        # TOML has nan and inf: neither is a duration or a size.
+        if not math.isfinite(value) or value < low or (above and value == low):
             raise self.fail(key, value, allowed)
         return float(value)
 
@@ -196,6 +199,17 @@ class TableReader:
 
     def string(self, key: str) -> str:
         return str(self.take(key, str, "must be a string"))
+
+    def queue(self, key: str) -> str:
+        """A name the protocol allows for a queue, so that clients can reach it."""
+        allowed = (
+            "must be a queue name: 1-250 bytes, no whitespace, control bytes or /,"
+            " at most one + (a fanout child)"
+        )
+        value = self.take(key, str, allowed)
+        if protocol.queue_name(protocol.name_bytes(value)) is None:
+            raise self.fail(key, value, allowed)
+        return str(value)
 
     def choice(self, key: str, choices: tuple[str, ...]) -> str:
         allowed = "must be one of " + ", ".join(f'"{c}"' for c in choices)
@@ -249,7 +263,7 @@ _QUEUE_KEYS: dict[str, str] = {
     "unique": "boolean",
     "visibility_timeout": "number",
     "max_deliveries": "count",
-    "dead_letter": "string",
+    "dead_letter": "queue",
     "sync": "sync",
     "idle_expiry": "number",
 }
@@ -262,6 +276,8 @@ def _read(check: TableReader, kinds: dict[str, str]) -> dict[str, Any]:
             continue
         if kind == "string":
             out[key] = check.string(key)
+        elif kind == "queue":
+            out[key] = check.queue(key)
         elif kind == "path":
             out[key] = Path(check.string(key))
         elif kind == "port":
@@ -361,6 +377,7 @@ class Override:
     text: str
 
 
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 _NUMERIC = re.compile(r"[+-]?[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?")
 
 
@@ -369,7 +386,7 @@ def _from_text(key: str, override: Override) -> Any:
     kind = _SERVER_KEYS.get(key) or _FLAG_ONLY_KEYS.get(key) or _STORAGE_KEYS[key]
     text = override.text.strip()
     value: object = override.text
-    if kind in ("port", "positive", "count") and text.lstrip("+-").isdigit():
+    if kind in ("port", "positive", "count") and _INTEGER.fullmatch(text):
         value = int(text)
     elif kind in ("number", "positive_number") and _NUMERIC.fullmatch(text):
         value = float(text)
@@ -400,4 +417,60 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
             fields[key] = _from_text(key, value)
         elif value is not None:
             fields[key] = value
-    return Config(path=path, **fields)
+    config = Config(path=path, **fields)
+    _check_ports(config)
+    return config
+
+
+#: Settings read once, at start: a reload (SIGHUP) that changes one says so
+#: instead of claiming it applied. By field, with the key it comes from.
+RESTART_ONLY: dict[str, str] = {
+    "listen": "server.listen",
+    "port": "server.port",
+    "max_connections": "server.max_connections",
+    "idle_timeout": "server.idle_timeout",
+    "command_timeout": "server.command_timeout",
+    "loop": "server.loop",
+    "tls_cert_file": "server.tls.cert_file",
+    "tls_key_file": "server.tls.key_file",
+    "tls_ca_file": "server.tls.ca_file",
+    "redis_listen": "server.redis.listen",
+    "redis_port": "server.redis.port",
+    "metrics_listen": "metrics.listen",
+    "metrics_port": "metrics.port",
+    "backend": "storage.backend",
+    "data_dir": "storage.data_dir",
+    "sync_interval_ms": "storage.sync_interval_ms",
+    "daemon_id": "storage.daemon_id",
+    "poll_interval_ms": "storage.poll_interval_ms",
+    "max_disk_bytes": "storage.max_disk_bytes",
+    "backend_tables": "storage.<backend>",
+}
+
+
+def needs_restart(old: Config, new: Config) -> list[str]:
+    """The keys whose change from `old` to `new` takes effect only on a restart."""
+    return [key for name, key in RESTART_ONLY.items() if getattr(old, name) != getattr(new, name)]
+
+
+_ANY_ADDRESS = frozenset({"", "0.0.0.0", "::"})
+
+
+def _check_ports(config: Config) -> None:
+    """Each listener needs a port of its own: a clash would show only once the
+    second bind failed, after the first listener had started."""
+    listeners = [("server.port (--port)", config.listen, config.port)]
+    if config.redis_port is not None:
+        redis_listen = config.redis_listen or config.listen
+        listeners.append(("server.redis.port (--redis-port)", redis_listen, config.redis_port))
+    if config.metrics_port:
+        listeners.append(("metrics.port", config.metrics_listen, config.metrics_port))
+    for at, (key, host, port) in enumerate(listeners):
+        for other, other_host, other_port in listeners[at + 1 :]:
+            same_host = host == other_host or bool({host, other_host} & _ANY_ADDRESS)
+            if port and port == other_port and same_host:
+                where = f"{config.path}: " if config.path else ""
+                raise ConfigError(
+                    f"{where}{key} and {other} are both {port} on {host}:"
+                    " each listener needs a port of its own"
+                )

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from mqd import __version__, security
 from mqd.backend import Backend
 from mqd.broker import Broker
-from mqd.config import Config
+from mqd.config import Config, needs_restart
 from mqd.connection import Connection
 from mqd.errors import ConfigError, StorageError
 from mqd.listener import Listener, Throttled, descriptors_in_use, raise_descriptor_limit
@@ -222,12 +222,20 @@ class Server:
         except ConfigError as error:
             log.error("reload failed, keeping the old settings: %s", error)
             return
+        unapplied = needs_restart(self.config, config)
         self.config = config
         self.broker.reconfigure(config)
         if authenticator is not None:  # a users file can change; auth cannot be turned off
             self.authenticator = authenticator
         logging.getLogger().setLevel(config.log_level_number)
-        log.info("reloaded %s", config.path or "settings")
+        if unapplied:
+            log.warning(
+                "reloaded %s; these changed and take effect on restart only: %s",
+                config.path or "settings",
+                ", ".join(unapplied),
+            )
+        else:
+            log.info("reloaded %s", config.path or "settings")
 
     async def _reap(self) -> None:
         """Close connections idle for idle_timeout, or slower than command_timeout to send one.

@@ -76,6 +76,13 @@ def test_sighup_applies_changed_max_items(tmp_path: Path) -> None:
         time.sleep(0.3)
         conn.call(b"set hq 0 0 1\r\n4\r\n", b"NOT_STORED\r\n")
         assert "reload failed" in d.log()
+        # What is read only at start is said to wait for a restart.
+        d.config_path.write_text('[queues."h*"]\nmax_items = 3\n[server]\nidle_timeout = 5\n')
+        d.signal(signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while "restart only" not in d.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "take effect on restart only: server.idle_timeout" in d.log()
 
 
 def test_systemd_notification(tmp_path: Path) -> None:
@@ -150,6 +157,40 @@ def test_max_connections_and_idle_timeout(tmp_path: Path) -> None:
         ),
         ("[server.redis]\nprot = 1\n", "server.redis.prot = 1: unknown key; known keys: listen"),
         ("[server]\nredis = 6379\n", "server.redis = 6379: must be a table"),
+        # TOML's nan and inf are floats, but neither is a duration.
+        (
+            '[queues."*"]\nvisibility_timeout = nan\n',
+            'queues."*".visibility_timeout = nan: must be a finite number of at least 0.0',
+        ),
+        ("[server]\nmax_wait = inf\n", "server.max_wait = inf: must be a finite number"),
+        (
+            "[storage.bdb]\ncheckpoint_s = nan\n",
+            "storage.bdb.checkpoint_s = nan: must be a finite number above 0.0",
+        ),
+        # A dead-letter queue that no client could reach.
+        (
+            '[queues."*"]\ndead_letter = "bad name"\n',
+            "queues.\"*\".dead_letter = 'bad name': must be a queue name",
+        ),
+        ('[queues."*"]\ndead_letter = "dl/open"\n', "dead_letter = 'dl/open': must be a queue"),
+        # Sizes Berkeley DB takes as C ints.
+        (
+            "[storage.bdb]\nlog_file_mb = 4096\n",
+            "storage.bdb.log_file_mb = 4096: must be a whole number from 1 to 2047",
+        ),
+        (
+            "[storage.bdb]\ncache_mb = 9223372036854775807\n",
+            "storage.bdb.cache_mb = 9223372036854775807: must be a whole number from 1 to 1048576",
+        ),
+        # Two listeners on one port.
+        (
+            "[server]\nport = 44016\n[metrics]\nport = 44016\n",
+            "server.port (--port) and metrics.port are both 44016 on 127.0.0.1",
+        ),
+        (
+            "[server]\nport = 44016\n[server.redis]\nport = 44016\n",
+            "server.port (--port) and server.redis.port (--redis-port) are both 44016",
+        ),
     ],
 )
 def test_bad_config_names_file_key_value_and_allowed(
@@ -177,6 +218,14 @@ def test_bad_config_names_file_key_value_and_allowed(
         (["--loop", "fast"], {}, '--loop = \'fast\': must be one of "asyncio", "uvloop"'),
         ([], {"MQD_LOG_LEVEL": "loud"}, "MQD_LOG_LEVEL = 'loud': must be one of \"debug\""),
         ([], {"MQD_BACKEND": "nope"}, "MQD_BACKEND = 'nope': unknown backend 'nope'"),
+        (["--port", "+-5"], {}, "--port = '+-5': must be a whole number from 0 to 65535"),
+        (["--port", "\u00b2"], {}, "--port = '\u00b2': must be a whole number from 0 to 65535"),
+        ([], {"MQD_PORT": "-+1"}, "MQD_PORT = '-+1': must be a whole number from 0 to 65535"),
+        (
+            ["--port", "44017", "--redis-port", "44017"],
+            {},
+            "server.port (--port) and server.redis.port (--redis-port) are both 44017",
+        ),
     ],
 )
 def test_flags_and_environment_are_validated_like_the_file(

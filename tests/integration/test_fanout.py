@@ -70,6 +70,13 @@ def test_redrive_command_and_cli(daemon: Daemon, raw: Raw) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "moved 990 message(s) from graveyard" in done.stdout
+    wrong = subprocess.run(
+        [sys.executable, "-m", "mqd", "redrive", "graveyard", "--port", "70000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert wrong.returncode == 2 and "70000 is not in the range" in wrong.stderr, wrong.stderr
     bodies = []
     for _ in range(count // 100):
         raw.send(b"get " + b" ".join([queue.encode()] * 100) + b"\r\n")

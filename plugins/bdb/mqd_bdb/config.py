@@ -12,6 +12,17 @@ from mqd.config import TableReader
 
 #: The keys whose value may be 0 (the others must be at least 1).
 _ZERO_OK = frozenset({"page_size", "reserve_mb", "loop_sync_max_us"})
+#: Upper bounds, where the default bound (2**63 - 1) is more than the
+#: environment takes: Berkeley DB's API takes these sizes as C ints (the log
+#: file's and buffer's in bytes, the checkpoint's in KiB), and a cache of
+#: over 1 TiB is beyond any machine this runs on (Berkeley DB's own limit is 10 TB).
+_HIGH: dict[str, int] = {
+    "cache_mb": 1 << 20,
+    "log_buffer_kb": 1 << 20,
+    "log_file_mb": (2**31 - 1) >> 20,
+    "checkpoint_mb": (2**31 - 1) >> 10,
+    "max_locks": 2**31 - 1,
+}
 #: Fields that come from [storage], not from the backend's own table.
 _FROM_STORAGE = frozenset({"max_disk_bytes"})
 
@@ -83,7 +94,8 @@ class BdbConfig:
             elif isinstance(spec.default, float):
                 values[spec.name] = reader.number(spec.name, 0.0, above=True)
             else:
-                values[spec.name] = reader.integer(spec.name, 0 if spec.name in _ZERO_OK else 1)
+                low = 0 if spec.name in _ZERO_OK else 1
+                values[spec.name] = reader.integer(spec.name, low, _HIGH.get(spec.name, 2**63 - 1))
         reader.leftovers([spec.name for spec in fields])
         config = cls(**values, max_disk_bytes=max_disk_bytes)
         size = config.page_size
