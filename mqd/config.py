@@ -201,13 +201,14 @@ class TableReader:
         return str(self.take(key, str, "must be a string"))
 
     def queue(self, key: str) -> str:
-        """A name the protocol allows for a queue, so that clients can reach it."""
+        """A name the protocol allows for a queue, so that clients can reach it; or ""
+        (the key's default)."""
         allowed = (
-            "must be a queue name: 1-250 bytes, no whitespace, control bytes or /,"
+            'must be "" or a queue name: 1-250 bytes, no whitespace, control bytes or /,'
             " at most one + (a fanout child)"
         )
         value = self.take(key, str, allowed)
-        if protocol.queue_name(protocol.name_bytes(value)) is None:
+        if value and protocol.queue_name(protocol.name_bytes(value)) is None:
             raise self.fail(key, value, allowed)
         return str(value)
 

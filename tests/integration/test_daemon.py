@@ -170,9 +170,9 @@ def test_max_connections_and_idle_timeout(tmp_path: Path) -> None:
         # A dead-letter queue that no client could reach.
         (
             '[queues."*"]\ndead_letter = "bad name"\n',
-            "queues.\"*\".dead_letter = 'bad name': must be a queue name",
+            'queues."*".dead_letter = \'bad name\': must be "" or a queue name',
         ),
-        ('[queues."*"]\ndead_letter = "dl/open"\n', "dead_letter = 'dl/open': must be a queue"),
+        ('[queues."*"]\ndead_letter = "dl/open"\n', "dead_letter = 'dl/open': must be \"\" or"),
         # Sizes Berkeley DB takes as C ints.
         (
             "[storage.bdb]\nlog_file_mb = 4096\n",
@@ -181,6 +181,10 @@ def test_max_connections_and_idle_timeout(tmp_path: Path) -> None:
         (
             "[storage.bdb]\ncache_mb = 9223372036854775807\n",
             "storage.bdb.cache_mb = 9223372036854775807: must be a whole number from 1 to 1048576",
+        ),
+        (
+            "[storage.bdb]\ncache_mb = 1048576\n",
+            "storage.bdb.cache_mb = 1048576: must be at most this machine's memory",
         ),
         # Two listeners on one port.
         (

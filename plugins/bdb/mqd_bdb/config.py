@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,12 @@ class BdbConfig:
                 values[spec.name] = reader.integer(spec.name, low, _HIGH.get(spec.name, 2**63 - 1))
         reader.leftovers([spec.name for spec in fields])
         config = cls(**values, max_disk_bytes=max_disk_bytes)
+        memory_mb = (os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")) >> 20
+        if config.cache_mb > memory_mb:
+            # Berkeley DB would fail to make the region, and say only that the
+            # environment "needs recovery".
+            allowed = f"must be at most this machine's memory, {memory_mb} MiB"
+            raise reader.fail("cache_mb", config.cache_mb, allowed)
         size = config.page_size
         if size and (size & (size - 1) or not 512 <= size <= 65536):
             allowed = "must be 0 or a power of two from 512 to 65536"
