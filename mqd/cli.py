@@ -25,7 +25,8 @@ config_option = click.option(
     "--config",
     "-c",
     "config_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    # Not checked here: config.load says what is wrong with it, in one line.
+    type=click.Path(readable=False, path_type=Path),
     envvar="MQD_CONFIG",
     help="TOML config file (see etc/mqd.toml).",
 )

@@ -210,6 +210,13 @@ def test_bad_config_names_file_key_value_and_allowed(
         assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_config_that_is_a_directory_gets_the_same_one_line(tmp_path: Path) -> None:
+    for command in ("check-config", "serve"):
+        result = mqd(command, "--config", str(tmp_path))
+        assert result.returncode == 1
+        assert result.stderr.strip() == f"Error: {tmp_path}: cannot read: Is a directory"
+
+
 @pytest.mark.parametrize(
     ("args", "env", "expected"),
     [
