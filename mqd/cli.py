@@ -236,7 +236,8 @@ def stats(host: str, port: int, watch: bool, interval: float, count: int | None)
         try:
             return {_text(k): _text(v) for k, v in client.stats().items()}
         except (OSError, Exception) as error:
-            raise click.ClickException(f"cannot read stats from {host}:{port}: {error}") from None
+            reason = _reason(error)
+            raise click.ClickException(f"cannot read stats from {host}:{port}: {reason}") from None
 
     try:
         if not watch:
@@ -344,9 +345,14 @@ def redrive(dead_letters: str, to: str | None, most: int | None, host: str, port
                     break
         client.close()
     except (OSError, MemcacheError) as error:
-        raise click.ClickException(f"{host}:{port}: {error}") from None
+        raise click.ClickException(f"{host}:{port}: {_reason(error)}") from None
     where = to or "the queues they died in"
     click.echo(f"moved {moved} message(s) from {dead_letters} to {where}")
+
+
+def _reason(error: Exception) -> str:
+    """What went wrong with a client call, never empty (pymemcache's close carries no text)."""
+    return str(error) or "the connection closed without a memcached reply (a TLS or HTTP port?)"
 
 
 @main.command()

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -308,6 +309,24 @@ def test_stats_command_prints_tables(daemon: Daemon, q: str) -> None:
     row = next(line for line in result.stdout.splitlines() if q in line)
     assert row.split("│")[2].strip() == "1"  # items
     assert mqd("stats", "--port", "1").returncode != 0
+
+
+def test_client_commands_say_why_a_port_gave_no_reply() -> None:
+    """A port that closes at once (TLS, HTTP) gives pymemcache an error with no text."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def refuse() -> None:
+            for _ in range(2):
+                connection, _ = listener.accept()
+                connection.recv(100)  # the command, read (no reset), never answered
+                connection.close()
+
+        threading.Thread(target=refuse, daemon=True).start()
+        for command in (["stats"], ["redrive", "graveyard"]):
+            result = mqd(*command, "--port", str(port))
+            assert result.returncode == 1
+            assert "the connection closed without a memcached reply" in result.stderr
 
 
 def test_backend_options_errors_name_the_file(tmp_path: Path) -> None:
