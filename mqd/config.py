@@ -167,7 +167,8 @@ class TableReader:
     def fail(self, key: str, value: object, allowed: str) -> ConfigError:
         where = f"{self.path}: " if self.path else ""
         name = self.label or f"{where}{self.prefix}{key}"
-        return ConfigError(f"{name} = {value!r}: {allowed}")
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as TOML spells it
+        return ConfigError(f"{name} = {shown}: {allowed}")
 
     def take(self, key: str, kind: type | tuple[type, ...], allowed: str) -> Any:
         value = self.table.pop(key)

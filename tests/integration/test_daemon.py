@@ -158,6 +158,7 @@ def test_max_connections_and_idle_timeout(tmp_path: Path) -> None:
         ),
         ("[server.redis]\nprot = 1\n", "server.redis.prot = 1: unknown key; known keys: listen"),
         ("[server]\nredis = 6379\n", "server.redis = 6379: must be a table"),
+        ("[server]\nport = true\n", "server.port = true: must be a whole number from 0 to 65535"),
         # TOML's nan and inf are floats, but neither is a duration.
         (
             '[queues."*"]\nvisibility_timeout = nan\n',
