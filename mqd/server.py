@@ -49,6 +49,7 @@ class Server:
         reload: Callable[[], Config] | None = None,
     ) -> None:
         self.config = config
+        self.started_with = config  # what a reload cannot change (config.RESTART_ONLY)
         self.broker = Broker(backend, config)
         self.reload = reload
         self.authenticator = security.authenticator(config)
@@ -222,7 +223,7 @@ class Server:
         except ConfigError as error:
             log.error("reload failed, keeping the old settings: %s", error)
             return
-        unapplied = needs_restart(self.config, config)
+        unapplied = needs_restart(self.started_with, config)
         self.config = config
         self.broker.reconfigure(config)
         if authenticator is not None:  # a users file can change; auth cannot be turned off
@@ -230,7 +231,8 @@ class Server:
         logging.getLogger().setLevel(config.log_level_number)
         if unapplied:
             log.warning(
-                "reloaded %s; these changed and take effect on restart only: %s",
+                "reloaded %s; these differ from what the daemon started with and take effect"
+                " on restart only: %s",
                 config.path or "settings",
                 ", ".join(unapplied),
             )

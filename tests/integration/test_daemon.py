@@ -84,6 +84,12 @@ def test_sighup_applies_changed_max_items(tmp_path: Path) -> None:
         while "restart only" not in d.log() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "take effect on restart only: server.idle_timeout" in d.log()
+        # ...however often it is reloaded, until the restart.
+        d.signal(signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while d.log().count("restart only") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert d.log().count("take effect on restart only: server.idle_timeout") == 2
 
 
 def test_systemd_notification(tmp_path: Path) -> None:
