@@ -20,6 +20,8 @@ from mqd_bdb.config import BdbConfig
 from mqd_bdb.errors import storage_error
 from mqd_bdb.space import Space, is_disk_full, no_room
 
+LAYOUT_FILE = "layout"  # in data_dir: the backend whose layout wrote it (Environment)
+
 ENV_FLAGS = (
     db.DB_CREATE
     | db.DB_INIT_TXN
@@ -37,6 +39,9 @@ class Environment:
 
     #: The catalog's file (shared with the messages in the single-file layouts).
     catalog_file: ClassVar[str] = "queues.db"
+    #: The backend whose layout this is, kept in the data directory's `layout`
+    #: file: another layout would open the directory and find its queues empty.
+    layout_name: ClassVar[str] = ""
 
     def __init__(self, data_dir: Path, config: BdbConfig) -> None:
         self.data_dir = data_dir
@@ -52,6 +57,7 @@ class Environment:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._lock()
         try:
+            self._check_layout()
             try:
                 self._open_env()
             except Exception as exc:
@@ -127,6 +133,42 @@ class Environment:
                 f"data directory {self.data_dir} is in use by another process"
             ) from None
         self._lock_fd = fd
+
+    def _check_layout(self) -> None:
+        """Refuse a data directory that another layout's backend wrote; mark a new one.
+
+        A directory from before that file existed is told by its catalog's file
+        where that is unambiguous: `catalog.db` is bdb's, `queues.db` is
+        bdb-single's or bdb-random's (which one, their files cannot say).
+        """
+        if not self.layout_name:
+            return
+        marker = self.data_dir / LAYOUT_FILE
+        try:
+            found = marker.read_text().strip()
+        except FileNotFoundError:
+            found = ""
+        if not found:
+            per_queue = (self.data_dir / "catalog.db").exists()
+            single_file = (self.data_dir / "queues.db").exists()
+            if per_queue and single_file:
+                return  # both: put together by hand; left as it is
+            if per_queue:
+                found = "bdb"
+            elif single_file:
+                if self.layout_name != "bdb":
+                    return  # bdb-single's or bdb-random's: which, the files cannot say
+                found = "bdb-single or bdb-random"
+            else:
+                found = self.layout_name  # a new directory
+            if found == self.layout_name:
+                marker.write_text(self.layout_name + "\n")
+        if found != self.layout_name:
+            raise StorageError(
+                f"data directory {self.data_dir} holds the queues of backend {found}, "
+                f"not of {self.layout_name}: start it with that backend, or give "
+                f"{self.layout_name} a data directory of its own"
+            )
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:

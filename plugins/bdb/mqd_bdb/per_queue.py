@@ -26,6 +26,8 @@ from mqd_bdb.store import COMPACT_MIN_BYTES
 class PerQueueStore(FifoStore):
     """`bdb`: per queue a B-tree file of messages and a Hash file of body digests."""
 
+    layout_name = "bdb"
+
     barrier_ops = frozenset({jobs.DELETE, jobs.EXPIRE_IDLE})  # dbremove needs handles closed
     files_per_queue = True
     catalog_file = "catalog.db"

@@ -18,6 +18,8 @@ from mqd_bdb.records import CAT_RESERVED, MSG, WAITING, digest, first_waiting, o
 class RandomStore(QueueOps):
     """Messages keyed by queue and body digest, so each body is stored once per queue."""
 
+    layout_name = "bdb-random"
+
     keyed_by_body = True
 
     def _make_queue(self, name: str, raw: bytes, qid: int) -> QueueState:

@@ -10,6 +10,8 @@ from mqd_bdb.records import MSG, UNIQ
 class SingleStore(FifoStore):
     """`bdb-single`: every queue's messages and digests in the catalog's one B-tree."""
 
+    layout_name = "bdb-single"
+
     def _make_queue(self, name: str, raw: bytes, qid: int) -> QueueState:
         q = QueueState(name, raw, qid)
         q.mdb = q.udb = self.cat

@@ -15,6 +15,7 @@ from mqd_bdb.environment import ENV_FLAGS
 from mqd_bdb.names import encode_name, file_stem
 
 from mqd.backend import Message
+from mqd.errors import StorageError
 
 
 def files(data_dir: Path) -> set[str]:
@@ -28,7 +29,7 @@ def test_bdb_delete_removes_the_queue_files(tmp_path: Path) -> None:
         await put(b, "Jobs", b"x")
         assert {stem + ".btree", stem + ".hash"} <= files(tmp_path)
         assert await b.delete("Jobs", sync=ALWAYS) is True
-        assert files(tmp_path) == {"LOCK", "catalog.db", "reserve"}
+        assert files(tmp_path) == {"LOCK", "catalog.db", "layout", "reserve"}
 
     session("bdb", tmp_path, body)
 
@@ -52,7 +53,7 @@ def test_single_file_delete_purges_records(name: str, tmp_path: Path) -> None:
         assert await return_own(b) == []
 
     session(name, tmp_path, body)
-    assert files(tmp_path) == {"LOCK", "queues.db", "reserve"}
+    assert files(tmp_path) == {"LOCK", "layout", "queues.db", "reserve"}
     env = db.DBEnv()
     env.open(str(tmp_path), ENV_FLAGS)
     try:
@@ -129,3 +130,45 @@ def test_large_messages_round_trip(name: str, tmp_path: Path) -> None:
 
     session(name, tmp_path, first)
     session(name, tmp_path, second)
+
+
+@pytest.mark.parametrize(
+    ("wrote", "opened"),
+    [("bdb", "bdb-single"), ("bdb-single", "bdb-random"), ("bdb-random", "bdb")],
+)
+def test_a_data_directory_opens_with_its_own_layout_only(
+    wrote: str, opened: str, tmp_path: Path
+) -> None:
+    """Another layout would find the queues empty: it is refused, and nothing is changed."""
+
+    async def fill(b: _BdbBackend) -> None:
+        await put(b, "q", b"kept")
+
+    session(wrote, tmp_path, fill)
+    assert (tmp_path / "layout").read_text() == wrote + "\n"
+    before = files(tmp_path)
+    with pytest.raises(StorageError, match=f"holds the queues of backend {wrote}, not of {opened}"):
+        session(opened, tmp_path, fill)
+    assert files(tmp_path) == before
+
+    async def check(b: _BdbBackend) -> None:
+        assert [m.body for m in await drain(b, "q")] == [b"kept"]
+
+    session(wrote, tmp_path, check)
+
+
+def test_a_directory_from_before_the_layout_file_is_told_by_its_catalog(tmp_path: Path) -> None:
+    async def fill(b: _BdbBackend) -> None:
+        await put(b, "q", b"kept")
+
+    session("bdb", tmp_path, fill)
+    (tmp_path / "layout").unlink()
+    with pytest.raises(StorageError, match="holds the queues of backend bdb, not of bdb-random"):
+        session("bdb-random", tmp_path, fill)
+    assert not (tmp_path / "layout").exists()
+
+    async def check(b: _BdbBackend) -> None:
+        assert [m.body for m in await drain(b, "q")] == [b"kept"]
+
+    session("bdb", tmp_path, check)
+    assert (tmp_path / "layout").read_text() == "bdb\n"

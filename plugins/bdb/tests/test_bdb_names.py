@@ -67,6 +67,7 @@ def test_hostile_names_round_trip_and_stay_inside(name: str, tmp_path: Path) -> 
     else:
         assert sorted(e.name for e in os.scandir(data_dir) if not e.name.startswith("log.")) == [
             "LOCK",
+            "layout",
             "queues.db",
             "reserve",
         ]
