@@ -325,8 +325,10 @@ class Broker:
     ) -> Hits:
         """`get` or `gets`, with every option and multiple keys: the values, in key order.
 
-        `holder`: as for take(), for the keys that take (a many-key get's
-        takes then share one commit instead of one each).
+        `holder`: as for take(), for the takes of a get of several keys
+        (they then share one commit instead of one each). A plain one-key
+        get takes the fast path without it: the connection that wants its
+        answer held calls take() itself.
         """
         keys = command.keys
         if len(keys) == 1 and keys[0].plain:

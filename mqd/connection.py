@@ -334,7 +334,11 @@ class Connection(asyncio.Protocol):
                 keys = command.keys
                 if len(keys) > GET_PIECE and all(k.plain or k.peek or k.at for k in keys):
                     return await self._retrieve_in_pieces(command)
-                hits = await self.broker.retrieve(command, self.session, self)
+                # Its takes share a commit, their reply held until it is synced;
+                # but with metrics, which time each command to its reply, every
+                # command is answered once durable (sets too, above).
+                holder = self if metrics is None else None
+                hits = await self.broker.retrieve(command, self.session, holder)
                 return protocol.values_reply(hits, command.with_ids)
             return await _DISPATCH[kind](self, command)
         except Exception as error:
