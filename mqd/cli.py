@@ -174,19 +174,27 @@ def check_config(config_path: Path | None) -> None:
     caps = ", ".join(sorted(c.value for c in _backend(cfg).capabilities))
     click.echo(f"{cfg.path or 'defaults'}: OK")
     click.echo(
-        f"listen {cfg.listen}:{cfg.port}, backend {cfg.backend} ({caps}), data {cfg.data_dir}"
+        f"listen {_address(cfg.listen, cfg.port)}, backend {cfg.backend} ({caps}),"
+        f" data {cfg.data_dir}"
     )
     if tls is not None:
         click.echo(f"TLS, clients {'need' if cfg.tls_ca_file else 'need no'} certificate")
     if auth is not None:
         click.echo(f"clients log in with a user from {cfg.auth_users_file}")
     if cfg.metrics_port:
-        click.echo(f"metrics http://{cfg.metrics_listen}:{cfg.metrics_port}/metrics")
+        click.echo(f"metrics http://{_address(cfg.metrics_listen, cfg.metrics_port)}/metrics")
     if cfg.redis_port is not None:
-        click.echo(f"redis listen {cfg.redis_listen or cfg.listen}:{cfg.redis_port}")
+        click.echo(f"redis listen {_address(cfg.redis_listen or cfg.listen, cfg.redis_port)}")
     for pattern, values in cfg.queues:
         settings = ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in values.items())
         click.echo(f'queues."{pattern}": {settings}')
+
+
+def _address(host: str, port: int) -> str:
+    """`host:port` as a URL spells it: an IPv6 address in brackets; "" is every address."""
+    if not host:
+        return f"*:{port}"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @main.command("backends")

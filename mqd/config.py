@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import ipaddress
 import logging
 import math
 import re
@@ -201,6 +202,22 @@ class TableReader:
     def string(self, key: str) -> str:
         return str(self.take(key, str, "must be a string"))
 
+    def host(self, key: str, empty: str = "") -> str:
+        """An address to listen on: an IP address or a host name, without a port.
+
+        Checked by its spelling only (a name is resolved when the daemon
+        binds): `127.0.0.1:22133` would otherwise pass, then fail at start
+        with the port glued to the name. "" is allowed where `empty` says
+        what it stands for.
+        """
+        allowed = "must be an IP address or a host name, without a port"
+        if empty:
+            allowed += f' (or "": {empty})'
+        value = str(self.take(key, str, allowed))
+        if not (value == "" and empty) and not _is_host(value):
+            raise self.fail(key, value, allowed)
+        return value
+
     def queue(self, key: str) -> str:
         """A name the protocol allows for a queue, so that clients can reach it; or ""
         (the key's default)."""
@@ -225,12 +242,27 @@ class TableReader:
             raise self.fail(key, value, "unknown key; known keys: " + ", ".join(known))
 
 
+#: A host name's spelling (RFC 1123): dot-separated labels of letters, digits
+#: and inner hyphens, the last not all digits (that would be a bad IPv4 address).
+_HOST_NAME = re.compile(
+    r"((?!-)[A-Za-z0-9-]{1,63}(?<!-)\.)*(?![0-9]+\.?$)(?!-)[A-Za-z0-9-]{1,63}(?<!-)\.?"
+)
+
+
+def _is_host(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return len(value) <= 253 and _HOST_NAME.fullmatch(value) is not None
+    return True
+
+
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
 
 
 _SERVER_KEYS: dict[str, str] = {
-    "listen": "string",
+    "listen": "host_or_any",
     "port": "port",
     "max_connections": "positive",
     "idle_timeout": "number",
@@ -244,7 +276,7 @@ _SERVER_KEYS: dict[str, str] = {
 }
 _TLS_KEYS: dict[str, str] = {"cert_file": "path", "key_file": "path", "ca_file": "path"}
 _AUTH_KEYS: dict[str, str] = {"users_file": "path"}
-_REDIS_KEYS: dict[str, str] = {"listen": "string", "port": "port"}
+_REDIS_KEYS: dict[str, str] = {"listen": "host_or_empty", "port": "port"}
 REDIS_PORT = 6379  # [server.redis] without a port: Redis' own
 _FLAG_ONLY_KEYS: dict[str, str] = {"redis_port": "port"}  # flags of a key in a sub-table
 _STORAGE_KEYS: dict[str, str] = {
@@ -256,7 +288,7 @@ _STORAGE_KEYS: dict[str, str] = {
     "poll_interval_ms": "positive",
     "max_disk_bytes": "count",
 }
-_METRICS_KEYS: dict[str, str] = {"listen": "string", "port": "port"}
+_METRICS_KEYS: dict[str, str] = {"listen": "host", "port": "port"}
 _QUEUE_KEYS: dict[str, str] = {
     "max_items": "count",
     "max_bytes": "count",
@@ -278,6 +310,12 @@ def _read(check: TableReader, kinds: dict[str, str]) -> dict[str, Any]:
             continue
         if kind == "string":
             out[key] = check.string(key)
+        elif kind == "host":
+            out[key] = check.host(key)
+        elif kind == "host_or_any":
+            out[key] = check.host(key, empty="every address of the machine")
+        elif kind == "host_or_empty":
+            out[key] = check.host(key, empty="the address of server.listen")
         elif kind == "queue":
             out[key] = check.queue(key)
         elif kind == "path":

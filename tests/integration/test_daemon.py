@@ -194,6 +194,18 @@ def test_max_connections_and_idle_timeout(tmp_path: Path) -> None:
             "[storage.bdb]\ncache_mb = 1048576\n",
             "storage.bdb.cache_mb = 1048576: must be at most this machine's memory",
         ),
+        # An address with its port glued on would fail only at start, naming no key.
+        (
+            '[server]\nlisten = "127.0.0.1:44010"\n',
+            "server.listen = '127.0.0.1:44010': must be an IP address or a host name, without a"
+            ' port (or "": every address of the machine)',
+        ),
+        (
+            '[server.redis]\nlisten = "::1 6379"\n',
+            "server.redis.listen = '::1 6379': must be an IP address or a host name, without",
+        ),
+        ('[metrics]\nlisten = ""\n', "metrics.listen = '': must be an IP address or a host"),
+        ('[server]\nlisten = "999.1.1.1"\n', "server.listen = '999.1.1.1': must be an IP"),
         # Two listeners on one port.
         (
             "[server]\nport = 44016\n[metrics]\nport = 44016\n",
@@ -241,6 +253,12 @@ def test_a_config_that_is_a_directory_gets_the_same_one_line(tmp_path: Path) -> 
         (["--port", "\u00b2"], {}, "--port = '\u00b2': must be a whole number from 0 to 65535"),
         ([], {"MQD_PORT": "-+1"}, "MQD_PORT = '-+1': must be a whole number from 0 to 65535"),
         (
+            ["--listen", "127.0.0.1:44010"],
+            {},
+            "--listen = '127.0.0.1:44010': must be an IP address or a host name, without a port",
+        ),
+        ([], {"MQD_LISTEN": "-bad-"}, "MQD_LISTEN = '-bad-': must be an IP address or a host"),
+        (
             ["--port", "44017", "--redis-port", "44017"],
             {},
             "server.port (--port) and server.redis.port (--redis-port) are both 44017",
@@ -255,6 +273,20 @@ def test_flags_and_environment_are_validated_like_the_file(
     assert result.returncode != 0
     assert result.stderr.strip() == f"Error: {expected}" or expected in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("listen", "shown"),
+    [("::1", "[::1]:22133"), ("", "*:22133"), ("mq-1.example.com", "mq-1.example.com:22133")],
+)
+def test_listen_takes_an_address_a_host_name_or_every_address(
+    tmp_path: Path, listen: str, shown: str
+) -> None:
+    path = tmp_path / "listen.toml"
+    path.write_text(f'[server]\nlisten = "{listen}"\n[storage]\nbackend = "memory"\n')
+    result = mqd("check-config", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    assert f"listen {shown}, backend memory" in result.stdout
 
 
 def test_data_dir_default_is_the_same_in_help_and_example() -> None:
