@@ -15,10 +15,11 @@ from typing import Any, ClassVar
 
 from berkeleydb import db
 
+from mqd.config import DAEMON_ID_FILE
 from mqd.errors import StorageError
 from mqd_bdb.config import BdbConfig
 from mqd_bdb.errors import storage_error
-from mqd_bdb.space import Space, is_disk_full, no_room
+from mqd_bdb.space import RESERVE_FILE, Space, is_disk_full, no_room
 
 LAYOUT_FILE = "layout"  # in data_dir: the backend whose layout wrote it (Environment)
 
@@ -77,7 +78,35 @@ class Environment:
                     f"no space left on device (ENOSPC) in {self.data_dir}: free some, "
                     "then start again"
                 ) from exc
+            if isinstance(exc, db.DBRunRecoveryError) and (damaged := self._damaged_files()):
+                raise StorageError(
+                    "database needs recovery, and recovery failed on "
+                    + ", ".join(str(path) for path in damaged)
+                    + " (Berkeley DB's verification finds it truncated or damaged):"
+                    " restore it from a backup, or move it aside (what it held is lost),"
+                    " then start again"
+                ) from exc
             raise
+
+    def _damaged_files(self) -> list[Path]:
+        """The database files of data_dir that fail Berkeley DB's verification.
+
+        For a recovery that failed: Berkeley DB names the file only on its
+        error stream, which the binding does not expose. Each file is read
+        whole, which is what a start that cannot go on may spend.
+        """
+        others = {LAYOUT_FILE, DAEMON_ID_FILE, RESERVE_FILE, "LOCK"}
+        damaged = []
+        for path in sorted(self.data_dir.iterdir()):
+            name = path.name
+            if name in others or name.startswith(("log.", "__db.")) or not path.is_file():
+                continue
+            handle = db.DB()  # verify() closes it, whatever it finds
+            try:
+                handle.verify(str(path))
+            except db.DBError:
+                damaged.append(path)
+        return damaged
 
     def dirty_bytes(self) -> int:
         """Bytes of the cache's dirty pages: they reach the files at the next checkpoint."""

@@ -79,6 +79,30 @@ def test_one_failing_job_fails_alone(name: str, tmp_path: Path) -> None:
     session(name, tmp_path, body)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_damaged_file_that_recovery_fails_on_is_named(name: str, tmp_path: Path) -> None:
+    async def fill(b: _BdbBackend) -> None:
+        await put(b, "q", b"one")
+        await put(b, "q", b"two")
+
+    session(name, tmp_path, fill)
+    stem = file_stem(encode_name("q"))
+    damaged = tmp_path / (f"{stem}.hash" if name == "bdb" else "queues.db")
+    with damaged.open("r+b") as f:
+        f.truncate(100)  # as a copy cut short leaves it
+
+    async def nothing(b: _BdbBackend) -> None:
+        raise AssertionError("opened a damaged environment")
+
+    with pytest.raises(StorageError) as failed:
+        session(name, tmp_path, nothing)
+    assert str(failed.value) == (
+        f"database needs recovery, and recovery failed on {damaged} (Berkeley DB's"
+        " verification finds it truncated or damaged): restore it from a backup, or move it"
+        " aside (what it held is lost), then start again"
+    )
+
+
 def test_a_queue_is_set_back_as_it_was() -> None:
     """What an undone batch may have changed in a queue: state() takes it, set_state()
     puts it back, field for field."""
