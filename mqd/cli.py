@@ -16,6 +16,7 @@ from mqd import backend as backends
 from mqd import config as configuration
 from mqd.errors import MqdError
 from mqd.protocol import QUEUE_STATS, name_bytes, queue_name
+from mqd.reach import Daemon, daemon_options, reason
 from mqd.stats import queue_stat
 
 if TYPE_CHECKING:
@@ -215,10 +216,7 @@ def list_backends() -> None:
 
 
 @main.command()
-@click.option("--host", default="127.0.0.1", show_default=True, help="Daemon address.")
-@click.option(
-    "--port", type=click.IntRange(0, 65535), default=22133, show_default=True, help="Daemon port."
-)
+@daemon_options
 @click.option("--watch", is_flag=True, help="Refresh the tables until Ctrl-C (or --count).")
 @click.option(
     "--interval",
@@ -232,26 +230,26 @@ def list_backends() -> None:
     type=click.IntRange(min=1),
     help="With --watch: stop after this many refreshes.  [default: never]",
 )
-def stats(host: str, port: int, watch: bool, interval: float, count: int | None) -> None:
+def stats(daemon: Daemon, watch: bool, interval: float, count: int | None) -> None:
     """Show a running daemon's counters and queues as tables."""
-    from pymemcache.client.base import Client
     from rich.console import Console
 
     console = Console()
-    client = Client((host, port), connect_timeout=5, timeout=5)  # connects on first use
+    client = daemon.client(timeout=5)
 
     def read() -> dict[str, str]:
         try:
             return {_text(k): _text(v) for k, v in client.stats().items()}
         except (OSError, Exception) as error:
-            reason = _reason(error)
-            raise click.ClickException(f"cannot read stats from {host}:{port}: {reason}") from None
+            raise click.ClickException(
+                f"cannot read stats from {daemon}: {reason(error)}"
+            ) from None
 
     try:
         if not watch:
-            console.print(_stats_tables(read(), f"mqd at {host}:{port}"))
+            console.print(_stats_tables(read(), f"mqd at {daemon}"))
             return
-        _watch(console, read, f"mqd at {host}:{port}", interval, count)
+        _watch(console, read, f"mqd at {daemon}", interval, count)
     except KeyboardInterrupt:
         pass
     finally:
@@ -320,21 +318,17 @@ REDRIVE_BATCH = 500  # messages per round trip: progress stays live on a large q
 @click.argument("dead_letters")
 @click.option("--to", "to", default=None, help="Queue to move them to.  [default: where each died]")
 @click.option("--max", "most", type=click.IntRange(min=1), default=None, help="Move at most N.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Daemon address.")
-@click.option(
-    "--port", type=click.IntRange(0, 65535), default=22133, show_default=True, help="Daemon port."
-)
-def redrive(dead_letters: str, to: str | None, most: int | None, host: str, port: int) -> None:
+@daemon_options
+def redrive(dead_letters: str, to: str | None, most: int | None, daemon: Daemon) -> None:
     """Move messages out of a dead-letter queue, back where they died (or --to a queue)."""
-    from pymemcache.client.base import Client
     from pymemcache.exceptions import MemcacheError
     from rich.progress import Progress
 
     for name in (dead_letters, to):
         if name is not None and queue_name(name_bytes(name)) is None:
             raise click.BadParameter(f"{name!r} is not a queue name")
+    client = daemon.client(timeout=30)
     try:
-        client = Client((host, port), connect_timeout=5, timeout=30)
         items = client.stats("queues").get(f"queue_{dead_letters}_items".encode(), b"0")
         wanted = min(int(items), most) if most else int(items)
         moved = 0
@@ -345,22 +339,18 @@ def redrive(dead_letters: str, to: str | None, most: int | None, host: str, port
                 line = b"redrive %b %d" % (name_bytes(dead_letters), batch)
                 reply = client.raw_command(line + (b" " + name_bytes(to) if to else b""))
                 if not reply.startswith(b"MOVED "):
-                    raise click.ClickException(f"{host}:{port}: {reply.decode(errors='replace')}")
+                    raise click.ClickException(f"{daemon}: {reply.decode(errors='replace')}")
                 count = int(reply.split()[1])
                 moved += count
                 progress.update(task, completed=moved)
                 if count < batch:
                     break
-        client.close()
     except (OSError, MemcacheError) as error:
-        raise click.ClickException(f"{host}:{port}: {_reason(error)}") from None
+        raise click.ClickException(f"{daemon}: {reason(error)}") from None
+    finally:
+        client.close()
     where = to or "the queues they died in"
     click.echo(f"moved {moved} message(s) from {dead_letters} to {where}")
-
-
-def _reason(error: Exception) -> str:
-    """What went wrong with a client call, never empty (pymemcache's close carries no text)."""
-    return str(error) or "the connection closed without a memcached reply (a TLS or HTTP port?)"
 
 
 @main.command()

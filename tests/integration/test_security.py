@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import ssl
@@ -242,6 +243,71 @@ def test_login_over_tls(tmp_path: Path, certs: Certs) -> None:
         assert client.set("both", b"1", noreply=False) is True
         assert client.get("both") == b"1"
         client.close()
+
+
+def _mqd_command(*args: str, password: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "MQD_PASSWORD"}
+    if password is not None:
+        env["MQD_PASSWORD"] = password
+    return subprocess.run(
+        [sys.executable, "-m", "mqd", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@needs_openssl
+def test_stats_and_redrive_reach_a_daemon_with_mutual_tls_and_logins(
+    tmp_path: Path, certs: Certs
+) -> None:
+    users = tmp_path / "users"
+    users.write_text("carol:pw two\n")
+    config = tls_config(certs, mutual=True) + f'[server.auth]\nusers_file = "{users}"\n'
+    with Daemon(tmp_path, config_text=config) as d:
+        client = Client(d.address, tls_context=client_context(certs, with_cert=True), timeout=10)
+        assert client.set("auth", b"carol pw two", noreply=False) is True
+        for body in (b"a", b"b", b"c"):
+            assert client.set("parked", body, noreply=False) is True
+        port = ["--port", str(d.port)]
+        tls = ["--ca-file", str(certs.ca), "--cert-file", str(certs.client_cert)]
+        tls += ["--key-file", str(certs.client_key)]
+        shown = _mqd_command("stats", *port, *tls, "--user", "carol", password="pw two")
+        assert shown.returncode == 0, shown.stderr
+        assert "parked" in shown.stdout and "curr_connections" in shown.stdout
+        moved = _mqd_command(
+            "redrive", "parked", "--to", "back", *port, *tls, "--user", "carol", password="pw two"
+        )
+        assert moved.returncode == 0, moved.stderr
+        assert "moved 3 message(s) from parked to back" in moved.stdout
+        assert [client.get("back") for _ in range(4)] == [b"a", b"b", b"c", None]
+        client.close()
+        # Each way of getting it wrong says what is wrong, in one line.
+        at = f"127.0.0.1:{d.port}"
+        wrong = {
+            (*port, *tls): "the daemon asks clients to log in: give --user (and MQD_PASSWORD)",
+            (*port, *tls, "--user", "carol", "--password", "nope"): (
+                f"cannot log in to {at} as 'carol': authentication failure"
+            ),
+            (*port, "--user", "carol", "--password", "pw two"): (
+                "the connection closed without a memcached reply (a TLS or HTTP port?)"
+            ),
+            (*port, "--tls", "--user", "carol", "--password", "pw two"): (
+                f"cannot log in to {at} as 'carol': TLS: CERTIFICATE_VERIFY_FAILED"
+            ),
+            (*port, *tls, "--user", "carol"): "--user carol needs a password: set MQD_PASSWORD",
+            (*port, "--key-file", str(certs.client_key)): "--key-file goes with --cert-file",
+            (*port, "--cert-file", str(certs.server_key)): f"cannot use {certs.server_key}",
+        }
+        for args, expected in wrong.items():
+            for command in (["stats"], ["redrive", "parked"]):
+                result = _mqd_command(*command, *args)
+                assert result.returncode != 0
+                assert expected in result.stderr, (args, result.stderr)
+                assert "Traceback" not in result.stderr
+        assert "Traceback" not in d.log()
 
 
 @pytest.mark.skipif(shutil.which("memccp") is None, reason="needs libmemcached-tools")
