@@ -19,6 +19,7 @@ from mqd.config import DAEMON_ID_FILE
 from mqd.errors import StorageError
 from mqd_bdb.config import BdbConfig
 from mqd_bdb.errors import storage_error
+from mqd_bdb.records import DIGEST_SIZE, MSG, QID, U64, UNIQ
 from mqd_bdb.space import RESERVE_FILE, Space, is_disk_full, no_room
 
 LAYOUT_FILE = "layout"  # in data_dir: the backend whose layout wrote it (Environment)
@@ -52,6 +53,7 @@ class Environment:
         self.panicked = False
         self.space = Space(data_dir, config.reserve_bytes, config.max_disk_bytes)
         self._lock_fd: int | None = None
+        self._layout_unknown = False  # an unmarked queues.db: which layout, its records say
 
     def open(self) -> None:
         """Open (creating, recovering) the environment and load what it holds."""
@@ -68,6 +70,8 @@ class Environment:
                     raise
                 self._close_env()
                 self._open_env()
+            if self._layout_unknown:
+                self._check_single_file_layout()
             self.space.dirty = self.dirty_bytes
             self.space.start(self.free_log)
         except BaseException as exc:
@@ -166,9 +170,10 @@ class Environment:
     def _check_layout(self) -> None:
         """Refuse a data directory that another layout's backend wrote; mark a new one.
 
-        A directory from before that file existed is told by its catalog's file
-        where that is unambiguous: `catalog.db` is bdb's, `queues.db` is
-        bdb-single's or bdb-random's (which one, their files cannot say).
+        A directory from before that file existed is told by its catalog's file:
+        `catalog.db` is bdb's, `queues.db` is bdb-single's or bdb-random's
+        (which one, its records tell once the environment is open:
+        _check_single_file_layout).
         """
         if not self.layout_name:
             return
@@ -186,18 +191,48 @@ class Environment:
                 found = "bdb"
             elif single_file:
                 if self.layout_name != "bdb":
-                    return  # bdb-single's or bdb-random's: which, the files cannot say
+                    self._layout_unknown = True  # bdb-single's or bdb-random's
+                    return
                 found = "bdb-single or bdb-random"
             else:
                 found = self.layout_name  # a new directory
             if found == self.layout_name:
                 marker.write_text(self.layout_name + "\n")
         if found != self.layout_name:
-            raise StorageError(
-                f"data directory {self.data_dir} holds the queues of backend {found}, "
-                f"not of {self.layout_name}: start it with that backend, or give "
-                f"{self.layout_name} a data directory of its own"
-            )
+            raise self._other_layout(found)
+
+    def _check_single_file_layout(self) -> None:
+        """Tell an unmarked `queues.db` as bdb-single's or bdb-random's; refuse or mark it.
+
+        By the key of its first message record: (queue id, offset) in
+        bdb-single, (queue id, body digest) in bdb-random; a copy of a body
+        (UNIQ) is bdb-single's alone. Without messages either opens it alike.
+        """
+        self._layout_unknown = False
+        cursor = self.cat.cursor()
+        try:
+            first = cursor.set_range(MSG)
+        finally:
+            cursor.close()
+        found = self.layout_name
+        if first is not None:
+            key = first[0]
+            if key.startswith(UNIQ) or (
+                key.startswith(MSG) and len(key) == len(MSG) + QID.size + U64.size
+            ):
+                found = "bdb-single"
+            elif key.startswith(MSG) and len(key) == len(MSG) + QID.size + DIGEST_SIZE:
+                found = "bdb-random"
+        if found != self.layout_name:
+            raise self._other_layout(found)
+        (self.data_dir / LAYOUT_FILE).write_text(self.layout_name + "\n")
+
+    def _other_layout(self, found: str) -> StorageError:
+        return StorageError(
+            f"data directory {self.data_dir} holds the queues of backend {found}, "
+            f"not of {self.layout_name}: start it with that backend, or give "
+            f"{self.layout_name} a data directory of its own"
+        )
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:

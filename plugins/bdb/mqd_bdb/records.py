@@ -73,9 +73,12 @@ RESERVED: Final = 1
 LEASE: Final = struct.Struct(">dQB")
 
 
+DIGEST_SIZE: Final = 16
+
+
 def digest(body: bytes) -> bytes:
     """The 128-bit digest a body is counted (FIFO) or keyed (bdb-random) under."""
-    return hashlib.blake2b(body, digest_size=16).digest()
+    return hashlib.blake2b(body, digest_size=DIGEST_SIZE).digest()
 
 
 def message_record(marker: int, message: Message) -> bytes:

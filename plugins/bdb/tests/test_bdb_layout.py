@@ -172,3 +172,33 @@ def test_a_directory_from_before_the_layout_file_is_told_by_its_catalog(tmp_path
 
     session("bdb", tmp_path, check)
     assert (tmp_path / "layout").read_text() == "bdb\n"
+
+
+@pytest.mark.parametrize(
+    ("wrote", "opened"), [("bdb-single", "bdb-random"), ("bdb-random", "bdb-single")]
+)
+def test_an_unmarked_single_file_is_told_by_its_message_records(
+    wrote: str, opened: str, tmp_path: Path
+) -> None:
+    async def fill(b: _BdbBackend) -> None:
+        await put(b, "q", b"kept")
+
+    session(wrote, tmp_path, fill)
+    (tmp_path / "layout").unlink()
+    with pytest.raises(StorageError, match=f"holds the queues of backend {wrote}, not of {opened}"):
+        session(opened, tmp_path, fill)
+    assert not (tmp_path / "layout").exists()
+
+    async def check(b: _BdbBackend) -> None:
+        assert [m.body for m in await drain(b, "q")] == [b"kept"]
+
+    session(wrote, tmp_path, check)
+    assert (tmp_path / "layout").read_text() == wrote + "\n"
+    # Without a message, either layout reads it alike: the first to open it keeps it.
+    (tmp_path / "layout").unlink()
+    session(opened, tmp_path, _empty)
+    assert (tmp_path / "layout").read_text() == opened + "\n"
+
+
+async def _empty(b: _BdbBackend) -> None:
+    assert await b.take("q", sync=ALWAYS) is None
