@@ -16,7 +16,7 @@ from mqd import backend as backends
 from mqd import config as configuration
 from mqd.errors import MqdError
 from mqd.protocol import QUEUE_STATS, name_bytes, queue_name
-from mqd.reach import Daemon, daemon_options, reason
+from mqd.reach import Remote, daemon_options, reason
 from mqd.stats import queue_stat
 
 if TYPE_CHECKING:
@@ -230,7 +230,7 @@ def list_backends() -> None:
     type=click.IntRange(min=1),
     help="With --watch: stop after this many refreshes.  [default: never]",
 )
-def stats(daemon: Daemon, watch: bool, interval: float, count: int | None) -> None:
+def stats(daemon: Remote, watch: bool, interval: float, count: int | None) -> None:
     """Show a running daemon's counters and queues as tables."""
     from rich.console import Console
 
@@ -319,7 +319,7 @@ REDRIVE_BATCH = 500  # messages per round trip: progress stays live on a large q
 @click.option("--to", "to", default=None, help="Queue to move them to.  [default: where each died]")
 @click.option("--max", "most", type=click.IntRange(min=1), default=None, help="Move at most N.")
 @daemon_options
-def redrive(dead_letters: str, to: str | None, most: int | None, daemon: Daemon) -> None:
+def redrive(dead_letters: str, to: str | None, most: int | None, daemon: Remote) -> None:
     """Move messages out of a dead-letter queue, back where they died (or --to a queue)."""
     from pymemcache.exceptions import MemcacheError
     from rich.progress import Progress

@@ -28,7 +28,7 @@ LOGIN_KEY = "mqd-login"  # the key of the login `set`: the daemon reads only its
 
 
 @dataclass(frozen=True)
-class Daemon:
+class Remote:
     """Where a running daemon is and how to connect to it."""
 
     host: str
@@ -78,7 +78,7 @@ def reason(error: Exception) -> str:
 
 
 def daemon_options(command: F) -> F:
-    """The options of a command that talks to a running daemon; it gets `daemon: Daemon`."""
+    """The options of a command that talks to a running daemon; it gets `daemon: Remote`."""
     options = [
         click.option("--host", default="127.0.0.1", show_default=True, help="Daemon address."),
         click.option(
@@ -145,7 +145,7 @@ def _daemon(
     key_file: Path | None,
     user: str | None,
     password: str | None,
-) -> Daemon:
+) -> Remote:
     context = None
     if key_file is not None and cert_file is None:
         raise click.BadParameter("--key-file goes with --cert-file", param_hint="--key-file")
@@ -167,4 +167,4 @@ def _daemon(
                 f"--user {user} needs a password: set MQD_PASSWORD (or give --password)"
             )
         password = click.prompt(f"password of {user}", hide_input=True, err=True)
-    return Daemon(host, port, context, user, password)
+    return Remote(host, port, context, user, password)
