@@ -192,9 +192,7 @@ def check_config(config_path: Path | None) -> None:
 
 
 def _address(host: str, port: int) -> str:
-    """`host:port` as a URL spells it: an IPv6 address in brackets; "" is every address."""
-    if not host:
-        return f"*:{port}"
+    """`host:port` as a URL spells it: an IPv6 address in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

@@ -210,7 +210,10 @@ class TableReader:
         with the port glued to the name. "" is allowed where `empty` says
         what it stands for.
         """
-        allowed = "must be an IP address or a host name, without a port"
+        allowed = (
+            "must be an IP address or a host name, without a port"
+            " (0.0.0.0: every IPv4 address, ::: every address)"
+        )
         if empty:
             allowed += f' (or "": {empty})'
         value = str(self.take(key, str, allowed))
@@ -262,7 +265,7 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
 
 
 _SERVER_KEYS: dict[str, str] = {
-    "listen": "host_or_any",
+    "listen": "host",
     "port": "port",
     "max_connections": "positive",
     "idle_timeout": "number",
@@ -312,8 +315,6 @@ def _read(check: TableReader, kinds: dict[str, str]) -> dict[str, Any]:
             out[key] = check.string(key)
         elif kind == "host":
             out[key] = check.host(key)
-        elif kind == "host_or_any":
-            out[key] = check.host(key, empty="every address of the machine")
         elif kind == "host_or_empty":
             out[key] = check.host(key, empty="the address of server.listen")
         elif kind == "queue":

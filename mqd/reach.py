@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 LOGIN_KEY = "mqd-login"  # the key of the login `set`: the daemon reads only its data
+CLOSED = "the connection closed without a memcached reply (a TLS or HTTP port?)"
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,15 @@ class Remote:
         except (OSError, MemcacheError) as error:
             client.close()
             doing = f"log in to {self} as {self.user!r}" if self.user else f"reach {self}"
-            raise click.ClickException(f"cannot {doing}: {reason(error)}") from None
+            why = reason(error)
+            if self.tls is not None and why == CLOSED:
+                # TLS 1.3 ends the handshake before the daemon checks the
+                # client's certificate: a refusal shows as the close.
+                why = (
+                    "the daemon closed the connection after the TLS handshake: it asks for a"
+                    " client certificate (--cert-file), or refused the one given"
+                )
+            raise click.ClickException(f"cannot {doing}: {why}") from None
         return client
 
 
@@ -74,7 +83,7 @@ def reason(error: Exception) -> str:
     text = first.decode(errors="replace") if isinstance(first, bytes) else str(error)
     if text == "unauthenticated":
         return "the daemon asks clients to log in: give --user (and MQD_PASSWORD)"
-    return text or "the connection closed without a memcached reply (a TLS or HTTP port?)"
+    return text or CLOSED
 
 
 def daemon_options(command: F) -> F:
@@ -146,20 +155,27 @@ def _daemon(
     user: str | None,
     password: str | None,
 ) -> Remote:
+    # click.ClickException rather than BadParameter: one line, as every other
+    # error of the command line, not click's usage text with it.
     context = None
     if key_file is not None and cert_file is None:
-        raise click.BadParameter("--key-file goes with --cert-file", param_hint="--key-file")
+        raise click.ClickException("--key-file goes with --cert-file")
     if tls or ca_file or cert_file:
-        context = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+        try:
+            context = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+        except (OSError, ssl.SSLError) as error:
+            raise click.ClickException(
+                f"--ca-file {ca_file}: no CA certificate (PEM) there: {reason(error)}"
+            ) from None
         if cert_file is not None:
             try:
                 context.load_cert_chain(cert_file, key_file)
             except (OSError, ssl.SSLError) as error:
-                raise click.BadParameter(
-                    f"cannot use {cert_file}"
-                    + (f" with {key_file}" if key_file else "")
-                    + f": {reason(error)}",
-                    param_hint="--cert-file",
+                hint = "" if key_file else " (is its key in it? if not, give --key-file)"
+                raise click.ClickException(
+                    f"--cert-file {cert_file}"
+                    + (f" with --key-file {key_file}" if key_file else "")
+                    + f": cannot use it{hint}: {reason(error)}"
                 ) from None
     if user is not None and password is None:
         if not sys.stdin.isatty():

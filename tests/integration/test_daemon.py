@@ -198,13 +198,14 @@ def test_max_connections_and_idle_timeout(tmp_path: Path) -> None:
         (
             '[server]\nlisten = "127.0.0.1:44010"\n',
             "server.listen = '127.0.0.1:44010': must be an IP address or a host name, without a"
-            ' port (or "": every address of the machine)',
+            " port (0.0.0.0: every IPv4 address, ::: every address)",
         ),
         (
             '[server.redis]\nlisten = "::1 6379"\n',
             "server.redis.listen = '::1 6379': must be an IP address or a host name, without",
         ),
         ('[metrics]\nlisten = ""\n', "metrics.listen = '': must be an IP address or a host"),
+        ('[server]\nlisten = ""\n', "server.listen = '': must be an IP address or a host"),
         ('[server]\nlisten = "999.1.1.1"\n', "server.listen = '999.1.1.1': must be an IP"),
         # Two listeners on one port.
         (
@@ -277,11 +278,13 @@ def test_flags_and_environment_are_validated_like_the_file(
 
 @pytest.mark.parametrize(
     ("listen", "shown"),
-    [("::1", "[::1]:22133"), ("", "*:22133"), ("mq-1.example.com", "mq-1.example.com:22133")],
+    [
+        ("::1", "[::1]:22133"),
+        ("0.0.0.0", "0.0.0.0:22133"),
+        ("mq-1.example.com", "mq-1.example.com:22133"),
+    ],
 )
-def test_listen_takes_an_address_a_host_name_or_every_address(
-    tmp_path: Path, listen: str, shown: str
-) -> None:
+def test_listen_takes_an_address_or_a_host_name(tmp_path: Path, listen: str, shown: str) -> None:
     path = tmp_path / "listen.toml"
     path.write_text(f'[server]\nlisten = "{listen}"\n[storage]\nbackend = "memory"\n')
     result = mqd("check-config", "--config", str(path))

@@ -286,7 +286,7 @@ def test_stats_and_redrive_reach_a_daemon_with_mutual_tls_and_logins(
         client.close()
         # Each way of getting it wrong says what is wrong, in one line.
         at = f"127.0.0.1:{d.port}"
-        wrong = {
+        wrong: dict[tuple[str, ...], str | tuple[str, ...]] = {
             (*port, *tls): "the daemon asks clients to log in: give --user (and MQD_PASSWORD)",
             (*port, *tls, "--user", "carol", "--password", "nope"): (
                 f"cannot log in to {at} as 'carol': authentication failure"
@@ -299,14 +299,27 @@ def test_stats_and_redrive_reach_a_daemon_with_mutual_tls_and_logins(
             ),
             (*port, *tls, "--user", "carol"): "--user carol needs a password: set MQD_PASSWORD",
             (*port, "--key-file", str(certs.client_key)): "--key-file goes with --cert-file",
-            (*port, "--cert-file", str(certs.server_key)): f"cannot use {certs.server_key}",
+            (*port, "--cert-file", str(certs.client_cert)): (
+                f"--cert-file {certs.client_cert}: cannot use it (is its key in it? if not, give"
+                " --key-file)"
+            ),
+            (*port, "--ca-file", str(users)): f"--ca-file {users}: no CA certificate (PEM) there",
+            # The daemon's refusal comes as a close, or as TLS 1.3's alert if it
+            # arrives before the client's first read.
+            (*port, "--ca-file", str(certs.ca), "--user", "carol", "--password", "pw two"): (
+                f"cannot log in to {at} as 'carol': the daemon closed the connection after the"
+                " TLS handshake: it asks for a client certificate (--cert-file), or refused the"
+                " one given",
+                f"cannot log in to {at} as 'carol': TLS: TLSV13_ALERT_CERTIFICATE_REQUIRED",
+            ),
         }
         for args, expected in wrong.items():
             for command in (["stats"], ["redrive", "parked"]):
                 result = _mqd_command(*command, *args)
                 assert result.returncode != 0
-                assert expected in result.stderr, (args, result.stderr)
-                assert "Traceback" not in result.stderr
+                either = (expected,) if isinstance(expected, str) else expected
+                assert any(text in result.stderr for text in either), (args, result.stderr)
+                assert len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert "Traceback" not in d.log()
 
 
