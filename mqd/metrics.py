@@ -224,11 +224,13 @@ class Snapshot:
         for name, latency in sorted(self.latencies.items()):
             histogram.add_metric([name], latency.buckets(), latency.total)
         yield histogram
+        # Every command that ran has its error series, at 0 until one fails:
+        # a rate() or an alert on them then sees a series from the start.
+        commands = sorted({*self.latencies, *(command for _, command in self.errors)})
         for kind, doc in ERRORS.items():
             counter = CounterMetricFamily(f"mqd_{kind}_errors", doc, labels=["command"])
-            for (of, command), count in sorted(self.errors.items()):
-                if of == kind:
-                    counter.add_metric([command], count)
+            for command in commands:
+                counter.add_metric([command], self.errors.get((kind, command), 0))
             yield counter
 
 

@@ -216,7 +216,10 @@ def test_errors_and_latencies_as_exported() -> None:
     got = samples(generate_latest(snapshot).decode())
     assert got[("mqd_backend_errors_total", (("command", "set"),))] == 2
     assert got[("mqd_internal_errors_total", (("command", "delete"),))] == 1
-    assert ("mqd_backend_errors_total", (("command", "delete"),)) not in got
+    # Each command that ran has both series, at 0 until one fails.
+    assert got[("mqd_backend_errors_total", (("command", "delete"),))] == 0
+    assert got[("mqd_internal_errors_total", (("command", "set"),))] == 0
+    assert ("mqd_backend_errors_total", (("command", "get"),)) not in got  # never ran
     set_label = ("command", "set")
 
     def bucket(le: str) -> float:
