@@ -47,7 +47,7 @@ from mqd.backend import (
 from mqd.config import Config, QueueSettings
 from mqd.eager import run_together
 from mqd.errors import ClientError, NotSupported, ServerError, UnknownCommand
-from mqd.protocol import Key, Retrieve, Store
+from mqd.protocol import Key, Retrieve, Store, fanout_parent
 from mqd.stats import Counters
 
 log = logging.getLogger(__name__)
@@ -195,6 +195,9 @@ class Broker:
         self._loops: list[asyncio.Task[None]] = []  # periodic work, cancelled at stop
         self._pending_flush: asyncio.TimerHandle | None = None
         self._fanout = self._child_limits  # one bound method, not one per set
+        # The fanout children a get waits on, by parent: a set to the parent
+        # copies its message into them, which no one else announces here.
+        self._waiting_children: dict[str, set[str]] = {}
         # Whether a held set or get is asked of put_now() or take_now() first.
         self._ask_now = asks_now(backend)
         # Whether commands stamp QueueState.used: only idle expiry reads it,
@@ -316,6 +319,10 @@ class Broker:
             state.enqueued += 1
             if state.waiters:
                 self._wake(state, queue)
+            if self._waiting_children and queue in self._waiting_children:
+                # Woken in vain when a full child refused its copy: it waits again.
+                for child in list(self._waiting_children[queue]):
+                    self._wake_queue(child)
         return result
 
     # -- dequeue -----------------------------------------------------------
@@ -863,6 +870,8 @@ class Broker:
             state = self.state(queue)
             if not state.waiters:
                 self.backend.watch(queue, True)
+                if "+" in queue:
+                    self._waiting_children.setdefault(fanout_parent(queue), set()).add(queue)
             state.waiters.append(waiter)
         timer = loop.call_later(timeout, _settle, waiter)
         session.waiter = waiter
@@ -882,6 +891,16 @@ class Broker:
                     state.waiters.remove(waiter)
                 if not state.waiters:
                     self.backend.watch(queue, False)
+                    if "+" in queue:
+                        self._unwait_child(queue)
+
+    def _unwait_child(self, child: str) -> None:
+        parent = fanout_parent(child)
+        children = self._waiting_children.get(parent)
+        if children is not None:
+            children.discard(child)
+            if not children:
+                del self._waiting_children[parent]
 
     @staticmethod
     def interrupt(session: Session) -> None:

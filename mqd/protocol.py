@@ -263,6 +263,11 @@ def queue_name(raw: bytes) -> str | None:
     return name_text(raw)
 
 
+def fanout_parent(name: str) -> str:
+    """The parent of fanout child `name` (`jobs` of `jobs+audit`)."""
+    return name.partition("+")[0]
+
+
 _FLAG_OPTIONS = {b"open": "open", b"close": "close", b"abort": "abort", b"peek": "peek"}
 # Options that make no sense together (Kestrel's combinations otherwise).
 _CLASHES = (

@@ -5,7 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import pytest
 from conftest import Raw, store, value
 from pymemcache.client.base import Client
 
@@ -31,6 +33,24 @@ def test_children_get_every_later_message(daemon: Daemon, raw: Raw, q: str) -> N
     assert mc.get(f"{q}+audit") == b"three"
     assert mc.get(f"{q}+billing") is None
     mc.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "bdb"])
+def test_a_get_waiting_on_a_child_wakes_at_a_set_to_its_parent(
+    backend: str, tmp_path: Path
+) -> None:
+    with Daemon(tmp_path, backend=backend) as d:
+        waiting = Raw(d.address)
+        waiting.call(b"get jobs+audit\r\n", b"END\r\n")  # the child comes into being
+        waiting.send(b"get jobs+audit/t=10000\r\n")
+        time.sleep(0.3)  # it waits
+        started = time.monotonic()
+        store(Raw(d.address), "jobs", b"hi")
+        assert waiting.read_until(b"END\r\n") == value("jobs+audit/t=10000", b"hi") + b"END\r\n"
+        # Woken by the set, not at the end of its 10 s.
+        assert time.monotonic() - started < 5
+        waiting.call(b"get jobs\r\n", value("jobs", b"hi") + b"END\r\n")  # the parent's own
+        waiting.close()
 
 
 def test_a_full_child_refuses_for_itself(raw: Raw) -> None:
