@@ -250,6 +250,8 @@ class Server:
             await asyncio.sleep(min(t for t in (idle, slow, 1.0) if t) / 2)
             now = time.monotonic()
             for connection in list(self.connections):
+                if connection.closed:
+                    continue  # closed already, its last replies still going out
                 waiting = connection.task is not None and not connection.blocked_on_client
                 started = connection.command_started
                 if idle and not waiting and connection.last_active < now - idle:

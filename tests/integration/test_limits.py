@@ -96,6 +96,25 @@ def test_a_command_trickling_in_is_cut_off(tmp_path: Path) -> None:
                 time.sleep(0.4)
 
 
+def test_a_connection_cut_off_is_cut_off_once(tmp_path: Path) -> None:
+    """Closed for its slow command while its replies wait for it to read: logged once."""
+    with Daemon(tmp_path, config_text="[server]\ncommand_timeout = 0.5\n") as d:
+        conn = Raw(d.address, timeout=30)
+        store(conn, "big", b"x" * 65536)
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        # Replies it does not read, then half a command.
+        conn.send(b"get big/peek\r\n" * 200 + b"set late 0 0 5\r\nab")
+        # Twenty of the reaper's looks; such lines are logged once per 10 s
+        # at most, the next one counting those held back.
+        time.sleep(10.5)
+        other = Raw(d.address)
+        other.send(b"set late 0 0 5\r\nab")
+        assert other.closed(wait=3.0)
+        conn.close()
+    cut = [line for line in d.log().splitlines() if "a command took over" in line]
+    assert len(cut) == 2 and "more in the last" not in cut[1], cut
+
+
 def test_unread_replies_do_not_grow_without_bound(tmp_path: Path) -> None:
     body = b"x" * 65536
     with Daemon(tmp_path) as d:
