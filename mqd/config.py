@@ -14,6 +14,7 @@ import ipaddress
 import logging
 import math
 import re
+import socket
 import tomllib
 import uuid
 from dataclasses import dataclass, field
@@ -497,6 +498,29 @@ def needs_restart(old: Config, new: Config) -> list[str]:
 _ANY_ADDRESS = frozenset({"", "0.0.0.0", "::"})
 
 
+def _same_address(host: str, other: str) -> bool:
+    """Whether listeners on `host` and `other` would bind one address.
+
+    Two spellings (`localhost`, `127.0.0.1`) are resolved to tell, to the
+    address a listener binds (the first the resolver gives, as
+    mqd.listener does); only for listeners that share a port number, so
+    start-up resolves nothing otherwise. A name that does not resolve fails
+    at its own bind, saying so.
+    """
+    if host == other or {host, other} & _ANY_ADDRESS:
+        return True
+    bound = _bound_address(host)
+    return bound is not None and bound == _bound_address(other)
+
+
+def _bound_address(host: str) -> str | None:
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError):
+        return None
+    return str(infos[0][4][0])
+
+
 def _check_ports(config: Config) -> None:
     """Each listener needs a port of its own: a clash would show only once the
     second bind failed, after the first listener had started."""
@@ -508,8 +532,7 @@ def _check_ports(config: Config) -> None:
         listeners.append(("metrics.port", config.metrics_listen, config.metrics_port))
     for at, (key, host, port) in enumerate(listeners):
         for other, other_host, other_port in listeners[at + 1 :]:
-            same_host = host == other_host or bool({host, other_host} & _ANY_ADDRESS)
-            if port and port == other_port and same_host:
+            if port and port == other_port and _same_address(host, other_host):
                 where = f"{config.path}: " if config.path else ""
                 raise ConfigError(
                     f"{where}{key} and {other} are both {port} on {host}:"

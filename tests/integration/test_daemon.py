@@ -212,6 +212,12 @@ def test_max_connections_and_idle_timeout(tmp_path: Path) -> None:
             "[server]\nport = 44016\n[metrics]\nport = 44016\n",
             "server.port (--port) and metrics.port are both 44016 on 127.0.0.1",
         ),
+        # Two spellings of one address.
+        (
+            '[server]\nlisten = "::1"\nport = 44018\n[metrics]\nlisten = "0:0:0:0:0:0:0:1"\n'
+            "port = 44018\n",
+            "server.port (--port) and metrics.port are both 44018 on ::1",
+        ),
         (
             "[server]\nport = 44016\n[server.redis]\nport = 44016\n",
             "server.port (--port) and server.redis.port (--redis-port) are both 44016",
