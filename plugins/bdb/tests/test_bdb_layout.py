@@ -132,6 +132,14 @@ def test_large_messages_round_trip(name: str, tmp_path: Path) -> None:
     session(name, tmp_path, second)
 
 
+async def _put_kept(b: _BdbBackend) -> None:
+    await put(b, "q", b"kept")
+
+
+async def _still_kept(b: _BdbBackend) -> None:
+    assert [m.body for m in await drain(b, "q")] == [b"kept"]
+
+
 @pytest.mark.parametrize(
     ("wrote", "opened"),
     [("bdb", "bdb-single"), ("bdb-single", "bdb-random"), ("bdb-random", "bdb")],
@@ -140,61 +148,40 @@ def test_a_data_directory_opens_with_its_own_layout_only(
     wrote: str, opened: str, tmp_path: Path
 ) -> None:
     """Another layout would find the queues empty: it is refused, and nothing is changed."""
-
-    async def fill(b: _BdbBackend) -> None:
-        await put(b, "q", b"kept")
-
-    session(wrote, tmp_path, fill)
+    session(wrote, tmp_path, _put_kept)
     assert (tmp_path / "layout").read_text() == wrote + "\n"
     before = files(tmp_path)
     with pytest.raises(StorageError, match=f"holds the queues of backend {wrote}, not of {opened}"):
-        session(opened, tmp_path, fill)
+        session(opened, tmp_path, _put_kept)
     assert files(tmp_path) == before
-
-    async def check(b: _BdbBackend) -> None:
-        assert [m.body for m in await drain(b, "q")] == [b"kept"]
-
-    session(wrote, tmp_path, check)
+    session(wrote, tmp_path, _still_kept)
 
 
-def test_a_directory_from_before_the_layout_file_is_told_by_its_catalog(tmp_path: Path) -> None:
-    async def fill(b: _BdbBackend) -> None:
-        await put(b, "q", b"kept")
-
-    session("bdb", tmp_path, fill)
+@pytest.mark.parametrize(
+    ("wrote", "opened"),
+    # bdb's catalog.db tells it; bdb-single's and bdb-random's queues.db, its message records.
+    [("bdb", "bdb-random"), ("bdb-single", "bdb-random"), ("bdb-random", "bdb-single")],
+)
+def test_a_directory_from_before_the_layout_file_is_told_by_its_files(
+    wrote: str, opened: str, tmp_path: Path
+) -> None:
+    session(wrote, tmp_path, _put_kept)
     (tmp_path / "layout").unlink()
-    with pytest.raises(StorageError, match="holds the queues of backend bdb, not of bdb-random"):
-        session("bdb-random", tmp_path, fill)
+    with pytest.raises(StorageError, match=f"holds the queues of backend {wrote}, not of {opened}"):
+        session(opened, tmp_path, _put_kept)
     assert not (tmp_path / "layout").exists()
-
-    async def check(b: _BdbBackend) -> None:
-        assert [m.body for m in await drain(b, "q")] == [b"kept"]
-
-    session("bdb", tmp_path, check)
-    assert (tmp_path / "layout").read_text() == "bdb\n"
+    session(wrote, tmp_path, _still_kept)
+    assert (tmp_path / "layout").read_text() == wrote + "\n"
 
 
 @pytest.mark.parametrize(
     ("wrote", "opened"), [("bdb-single", "bdb-random"), ("bdb-random", "bdb-single")]
 )
-def test_an_unmarked_single_file_is_told_by_its_message_records(
+def test_an_unmarked_single_file_without_messages_goes_to_the_first_to_open_it(
     wrote: str, opened: str, tmp_path: Path
 ) -> None:
-    async def fill(b: _BdbBackend) -> None:
-        await put(b, "q", b"kept")
-
-    session(wrote, tmp_path, fill)
-    (tmp_path / "layout").unlink()
-    with pytest.raises(StorageError, match=f"holds the queues of backend {wrote}, not of {opened}"):
-        session(opened, tmp_path, fill)
-    assert not (tmp_path / "layout").exists()
-
-    async def check(b: _BdbBackend) -> None:
-        assert [m.body for m in await drain(b, "q")] == [b"kept"]
-
-    session(wrote, tmp_path, check)
-    assert (tmp_path / "layout").read_text() == wrote + "\n"
-    # Without a message, either layout reads it alike: the first to open it keeps it.
+    session(wrote, tmp_path, _put_kept)
+    session(wrote, tmp_path, _still_kept)  # no message left: either layout reads it alike
     (tmp_path / "layout").unlink()
     session(opened, tmp_path, _empty)
     assert (tmp_path / "layout").read_text() == opened + "\n"
