@@ -16,7 +16,7 @@ from mqd import backend as backends
 from mqd import config as configuration
 from mqd.errors import MqdError
 from mqd.protocol import QUEUE_STATS, name_bytes, queue_name
-from mqd.reach import Remote, daemon_options, reason
+from mqd.reach import Remote, daemon_options, host_port, reason
 from mqd.stats import queue_stat
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ def check_config(config_path: Path | None) -> None:
     caps = ", ".join(sorted(c.value for c in _backend(cfg).capabilities))
     click.echo(f"{cfg.path or 'defaults'}: OK")
     click.echo(
-        f"listen {_address(cfg.listen, cfg.port)}, backend {cfg.backend} ({caps}),"
+        f"listen {host_port(cfg.listen, cfg.port)}, backend {cfg.backend} ({caps}),"
         f" data {cfg.data_dir}"
     )
     if tls is not None:
@@ -183,17 +183,12 @@ def check_config(config_path: Path | None) -> None:
     if auth is not None:
         click.echo(f"clients log in with a user from {cfg.auth_users_file}")
     if cfg.metrics_port:
-        click.echo(f"metrics http://{_address(cfg.metrics_listen, cfg.metrics_port)}/metrics")
+        click.echo(f"metrics http://{host_port(cfg.metrics_listen, cfg.metrics_port)}/metrics")
     if cfg.redis_port is not None:
-        click.echo(f"redis listen {_address(cfg.redis_listen or cfg.listen, cfg.redis_port)}")
+        click.echo(f"redis listen {host_port(cfg.redis_listen or cfg.listen, cfg.redis_port)}")
     for pattern, values in cfg.queues:
         settings = ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in values.items())
         click.echo(f'queues."{pattern}": {settings}')
-
-
-def _address(host: str, port: int) -> str:
-    """`host:port` as a URL spells it: an IPv6 address in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @main.command("backends")

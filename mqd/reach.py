@@ -39,7 +39,7 @@ class Remote:
     password: str | None = None
 
     def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return host_port(self.host, self.port)
 
     def client(self, timeout: float) -> Client:
         """A pymemcache client of the daemon, connected and logged in.
@@ -72,6 +72,11 @@ class Remote:
                 )
             raise click.ClickException(f"cannot {doing}: {why}") from None
         return client
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port` as a URL spells it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def reason(error: Exception) -> str:
