@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 LOGIN_KEY = "mqd-login"  # the key of the login `set`: the daemon reads only its data
+UNAUTHENTICATED = "the daemon asks clients to log in: give --user (and MQD_PASSWORD)"
 CLOSED = "the connection closed without a memcached reply (a TLS or HTTP port?)"
 
 
@@ -48,17 +49,21 @@ class Remote:
         log in.
         """
         from pymemcache.client.base import Client
-        from pymemcache.exceptions import MemcacheError
+        from pymemcache.exceptions import MemcacheClientError, MemcacheError
 
         client = Client(
             (self.host, self.port), connect_timeout=5, timeout=timeout, tls_context=self.tls
         )
         try:
-            if self.user is not None:
+            try:
+                client.version()  # connects now, so that a refusal says so here
+            except MemcacheClientError as refused:
+                if self.user is None or reason(refused) != UNAUTHENTICATED:
+                    raise
+                # Only a daemon that asks for it gets the login: to another,
+                # the `set` would store the password as a message.
                 login = f"{self.user} {self.password or ''}".encode()
                 client.set(LOGIN_KEY, login, noreply=False)  # STORED, or CLIENT_ERROR raised
-            else:
-                client.version()  # connect now, so that a refusal says so here
         except (OSError, MemcacheError) as error:
             client.close()
             doing = f"log in to {self} as {self.user!r}" if self.user else f"reach {self}"
@@ -87,7 +92,7 @@ def reason(error: Exception) -> str:
     first = error.args[0] if len(error.args) == 1 else None
     text = first.decode(errors="replace") if isinstance(first, bytes) else str(error)
     if text == "unauthenticated":
-        return "the daemon asks clients to log in: give --user (and MQD_PASSWORD)"
+        return UNAUTHENTICATED
     return text or CLOSED
 
 

@@ -323,6 +323,14 @@ def test_stats_and_redrive_reach_a_daemon_with_mutual_tls_and_logins(
         assert "Traceback" not in d.log()
 
 
+def test_a_login_goes_only_to_a_daemon_that_asks_for_one(daemon: Daemon) -> None:
+    # To one that does not, the login's `set` would store the password as a message.
+    shown = _mqd_command("stats", "--port", str(daemon.port), "--user", "carol", password="pw")
+    assert shown.returncode == 0, shown.stderr
+    assert "mqd-login" not in shown.stdout
+    Raw(daemon.address).call(b"get mqd-login\r\n", b"END\r\n")
+
+
 @pytest.mark.skipif(shutil.which("memccp") is None, reason="needs libmemcached-tools")
 def test_libmemcached_tools(auth_daemon: Daemon, tmp_path: Path) -> None:
     servers = f"--servers=127.0.0.1:{auth_daemon.port}"
