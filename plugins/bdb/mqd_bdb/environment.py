@@ -1,6 +1,6 @@
 """The life cycle of one Berkeley DB environment: lock, open, recover, close.
 
-flush(), trickle() and checkpoint() are the only calls made from the keeper
+flush(), trickle(), checkpoint() and log_end() are the only calls made from the keeper
 thread; they use the environment alone (opened DB_THREAD), never a database
 handle, which stay on the worker thread.
 """
@@ -73,7 +73,7 @@ class Environment:
             if self._layout_unknown:
                 self._check_single_file_layout()
             self.space.dirty = self.dirty_bytes
-            self.space.start(self.free_log)
+            self.space.start(lambda: self.checkpoint(True))
         except BaseException as exc:
             self._close_env()
             self._unlock()
@@ -310,15 +310,22 @@ class Environment:
         """Write dirty pages out until `percent` of the cache is clean."""
         self.env.memp_trickle(percent)
 
-    def free_log(self) -> None:
-        """Checkpoint and remove the log files that are no longer needed, at once."""
-        self.env.txn_checkpoint(0, 0, db.DB_FORCE)
-        self.env.log_archive(db.DB_ARCH_REMOVE)
+    def checkpoint(self, force: bool, log_mb: int | None = None) -> None:
+        """Write dirty pages and a checkpoint if `log_mb` (default: checkpoint_mb;
+        0: any) of log has accumulated since the last one, or if `force`; remove
+        the log files it leaves unneeded.
 
-    def checkpoint(self, force: bool, log_mb: int = 0) -> None:
-        """Write dirty pages and a checkpoint if `log_mb` (default: checkpoint_mb)
-        of log has accumulated since the last one, or if `force`."""
+        DB_LOG_AUTO_REMOVE alone removes them only when the log moves to a new
+        file: after a drain, with nothing more written, they would stay.
+        """
         if force:
             self.env.txn_checkpoint(0, 0, db.DB_FORCE)
         else:
-            self.env.txn_checkpoint((log_mb or self.config.checkpoint_mb) << 10, 0)
+            mb = self.config.checkpoint_mb if log_mb is None else log_mb
+            self.env.txn_checkpoint(mb << 10, 0)
+        self.env.log_archive(db.DB_ARCH_REMOVE)
+
+    def log_end(self) -> tuple[int, int]:
+        """Where the log ends (file, offset): unchanged between two looks, nothing was written."""
+        stat = self.env.log_stat()
+        return stat["cur_file"], stat["cur_offset"]

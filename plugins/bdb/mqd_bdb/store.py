@@ -173,7 +173,7 @@ class Store(Catalog):
         """
         released = self.space.release()
         try:
-            self.free_log()
+            self.checkpoint(True)
         except Exception as exc:
             if not self.disk_full(exc):
                 log.warning("checkpoint on a full disk failed: %s", exc)
@@ -302,7 +302,7 @@ class Store(Catalog):
             self.checkpoint(False, self.config.log_file_mb)
             if now - self._checkpointed >= LOOK_S:
                 self._checkpointed = now
-                self.free_log()
+                self.checkpoint(True)
                 self.space.look()
 
     def _compact(self, emptied: list[QueueState], freed: bool) -> None:

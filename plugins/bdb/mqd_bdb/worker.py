@@ -844,6 +844,7 @@ class Worker:
         next_look = time.monotonic() + CHECK_S
         last_checkpoint = time.monotonic()
         pending = False  # changes not yet covered by a timed checkpoint
+        log_end = None  # where the log ended at the last look
         while True:
             with cond:
                 while True:
@@ -874,9 +875,15 @@ class Worker:
                     pending = True
                     store.space.gauge()
                     store.trickle(TRICKLE_PERCENT)
+                    # Once nothing was written for a look, a checkpoint (if
+                    # anything was since the last): the log files of what was
+                    # written go now, not a checkpoint_s later, so a drained
+                    # queue gives its log back.
+                    quiet = store.log_end() == log_end
                     timed = now - last_checkpoint >= store.config.checkpoint_s
-                    store.checkpoint(timed)
-                    if timed:
+                    store.checkpoint(timed, 0 if quiet else None)
+                    log_end = store.log_end()  # a checkpoint's own record is not a write
+                    if timed or quiet:
                         last_checkpoint = now
                         pending = False
             except Exception as exc:

@@ -180,6 +180,30 @@ def test_max_disk_bytes_refuses_sets_before_the_disk_fills(name: str, tmp_path: 
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_once_the_writes_stop_the_log_files_go(name: str, tmp_path: Path) -> None:
+    """With the default checkpoint_mb, a fill and drain of 6 MB leave a dozen
+    1 MiB log files. Within seconds of the last write a checkpoint removes all
+    but the current one: Berkeley DB's own removal waits for the log to move
+    to a new file, which an idle daemon never does."""
+    daemon = Daemon(
+        tmp_path, backend=name, config_text=config(name).replace("checkpoint_mb = 1\n", "")
+    )
+    with daemon:
+        client = Client(daemon.address, timeout=10)
+        for i in range(750):
+            client.set("q", b"%06d" % i + BODY, noreply=False)
+        taken = sorted(client.get("q")[:6] for _ in range(750))  # bdb-random: any order
+        assert taken == [b"%06d" % i for i in range(750)]
+        for _ in range(150):
+            logs = sorted(daemon.data_dir.glob("log.*"))
+            if len(logs) == 1:
+                break
+            time.sleep(0.1)
+        assert len(logs) == 1, logs
+        assert client.get("q") is None
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_a_drain_faster_than_the_checkpoint_clock_runs_in_the_reserves_room(
     name: str, tmp_path: Path
 ) -> None:
