@@ -180,8 +180,23 @@ class StorageOptions:
 
 Wake = Callable[[str], None]
 
-#: A fanout child's limits, by the child's queue name.
-Fanout = Callable[[str], Limits]
+
+def _uncounted(child: str) -> None:
+    """Fanout.stored's default: a caller that counts no copies."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fanout:
+    """What a put to a fanout parent asks the daemon of its children, and tells it.
+
+    `limits(child)` gives a child's limits, asked before its copy is
+    stored; `stored(child)` is told of each copy stored (a full child's
+    refused copy is not), on the event loop, before put() returns: the
+    daemon counts it in the child's `enqueued`.
+    """
+
+    limits: Callable[[str], Limits]
+    stored: Callable[[str], None] = _uncounted
 
 
 class Pending:
@@ -291,8 +306,9 @@ class Backend(abc.ABC):
         With `fanout`, a message stored in `queue` is also stored, in the same
         atomic step (one group commit), in each of its fanout children that
         exists: the queues named `<queue>+<child>`. Each copy is checked
-        against the limits `fanout(child)` gives, and a full child refuses or
-        drops for itself; the result speaks of `queue` alone.
+        against the limits `fanout.limits(child)` gives, and a full child
+        refuses or drops for itself; each copy stored is told to
+        `fanout.stored(child)`. The result speaks of `queue` alone.
 
         With a `holder`, a backend may answer before the write is as durable
         as `sync` asks, provided it first calls `holder.hold()` with the

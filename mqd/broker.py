@@ -34,6 +34,7 @@ from mqd.backend import (
     PUT_STORED,
     Backend,
     Capability,
+    Fanout,
     Holder,
     Limits,
     Message,
@@ -194,7 +195,7 @@ class Broker:
         self._shared = Capability.SHARED in backend.capabilities
         self._loops: list[asyncio.Task[None]] = []  # periodic work, cancelled at stop
         self._pending_flush: asyncio.TimerHandle | None = None
-        self._fanout = self._child_limits  # one bound method, not one per set
+        self._fanout = Fanout(self._child_limits, self._child_stored)  # one, not one per set
         # The fanout children a get waits on, by parent: a set to the parent
         # copies its message into them, which no one else announces here.
         self._waiting_children: dict[str, set[str]] = {}
@@ -447,6 +448,10 @@ class Broker:
     def _child_limits(self, child: str) -> Limits:
         """A fanout child's limits: its own settings, by its own name."""
         return self.state(child).limits
+
+    def _child_stored(self, child: str) -> None:
+        """A fanout child stored its copy of a message set to its parent."""
+        self.state(child).enqueued += 1
 
     async def take(
         self, queue: str, *, counted: bool = True, holder: Holder | None = None

@@ -295,18 +295,20 @@ class MemoryBackend(Backend):
             store.arrived(queue, self)
         if fanout is not None and store.children and queue in store.children:
             for child in store.children[queue]:
-                self._copy(child, message, fanout(child))
+                if self._copy(child, message, fanout.limits(child)):
+                    fanout.stored(child)
         return PUT_STORED
 
-    def _copy(self, child: str, message: Message, limits: Limits) -> None:
-        """A fanout child's own copy of a message stored in its parent."""
+    def _copy(self, child: str, message: Message, limits: Limits) -> bool:
+        """A fanout child's own copy of a message stored in its parent; False: full, refused."""
         q = self._queues[child]
         if limits and not q.make_room(limits, len(message.body)):
-            return
+            return False
         q.append(Message(message.body, message.flags, message.expires, message.created))
         q.touched = message.created or time.time()
         if self._store.shared:
             self._store.arrived(child, self)
+        return True
 
     async def take(self, queue: str, *, sync: Sync, holder: Holder | None = None) -> Message | None:
         return self.take_now(queue, sync, holder)

@@ -37,6 +37,7 @@ from mqd.backend import (
     NO_LIMITS,
     Backend,
     Capability,
+    Fanout,
     Limits,
     Message,
     Pending,
@@ -568,8 +569,12 @@ class BackendConformance(BatchConformance):
             def limits(child: str) -> Limits:
                 return Limits(max_items=2) if child == "q+small" else Limits()
 
+            copies: list[str] = []  # the children told of their stored copies
+
             async def fan(text: bytes) -> Put:
-                return await b.put("q", Message(text), sync=ALWAYS, fanout=limits)
+                return await b.put(
+                    "q", Message(text), sync=ALWAYS, fanout=Fanout(limits, copies.append)
+                )
 
             await fan(b"before")
             for child in ("q+a", "q+b", "q+small"):
@@ -592,12 +597,15 @@ class BackendConformance(BatchConformance):
             assert drained["q+a"] == order([*expect, b"own"])
             assert drained["q+b"] == order(expect)
             assert len(drained["q+small"]) == 2  # full: refused for itself only
+            assert sorted(copies) == ["q+a"] * 3 + ["q+b"] * 3 + ["q+small"] * 2  # not the refused
+            copies.clear()
             # Deleting the parent leaves its children; a deleted child stops receiving.
             assert await b.delete("q", sync=ALWAYS) is True
             assert await b.delete("q+b", sync=ALWAYS) is True
             await fan(b"after")
             assert [m.body for m in [await b.take("q+a", sync=ALWAYS)] if m] == [b"after"]
             assert await b.take("q+b", sync=ALWAYS) is None
+            assert sorted(copies) == ["q+a", "q+small"]
 
         self.session(data_dir, body)
 

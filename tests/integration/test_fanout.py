@@ -25,7 +25,9 @@ def test_children_get_every_later_message(daemon: Daemon, raw: Raw, q: str) -> N
     assert [mc.get(f"{q}+billing"), mc.get(f"{q}+billing")] == [b"one", b"two"]
     assert [mc.get(q) for _ in range(3)] == [b"before", b"one", b"two"]
     queues = mc.stats("queues")
-    assert f"queue_{q}+audit_items".encode() in queues
+    audit = f"queue_{q}+audit_".encode()
+    # The copies count as the child's own: stored, then taken.
+    assert [queues[audit + name] for name in (b"items", b"enqueued", b"dequeued")] == [0, 2, 2]
     # Deleting the parent leaves its children; a deleted child stops receiving.
     raw.call(b"delete %b\r\n" % q.encode(), b"DELETED\r\n")
     raw.call(b"delete %b+billing\r\n" % q.encode(), b"DELETED\r\n")
@@ -53,11 +55,15 @@ def test_a_get_waiting_on_a_child_wakes_at_a_set_to_its_parent(
         waiting.close()
 
 
-def test_a_full_child_refuses_for_itself(raw: Raw) -> None:
+def test_a_full_child_refuses_for_itself(daemon: Daemon, raw: Raw) -> None:
     parent = "fan" + str(time.monotonic_ns())
     raw.call(b"get %b+full\r\n" % parent.encode(), b"END\r\n")
     store(raw, parent, b"1")
     store(raw, parent, b"2")  # the child holds one: the parent still says STORED
+    mc = Client(daemon.address)
+    stats = mc.stats("queues")
+    mc.close()
+    assert stats[f"queue_{parent}+full_enqueued".encode()] == 1  # the refused copy is not
     raw.call(b"get %b+full\r\n" % parent.encode(), value(parent + "+full", b"1") + b"END\r\n")
     raw.call(b"get %b+full\r\n" % parent.encode(), b"END\r\n")
 

@@ -171,12 +171,17 @@ class AerospikeBackend(Backend):
             # atomic step across queues would need transactions, which the
             # Community Edition does not have.
             m = message
-            await asyncio.gather(
+            copies = await asyncio.gather(
                 *(
-                    self._put(child, Message(m.body, m.flags, m.expires, m.created), fanout(child))
+                    self._put(
+                        child, Message(m.body, m.flags, m.expires, m.created), fanout.limits(child)
+                    )
                     for child in op.children
                 )
             )
+            for child, copy in zip(op.children, copies, strict=True):
+                if copy.result is Put.STORED:
+                    fanout.stored(child)
         return op.result or Put.FULL
 
     async def create(self, queue: str, *, sync: Sync) -> bool:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from mqd.backend import (
     LATER,
     NO_LIMITS,
+    PUT_STORED,
     Backend,
     Capability,
     Fanout,
@@ -44,6 +45,7 @@ from mqd_bdb import jobs
 from mqd_bdb.config import BdbConfig
 
 if TYPE_CHECKING:
+    from mqd_bdb.operations import Copied
     from mqd_bdb.store import Store
     from mqd_bdb.worker import Worker
 
@@ -191,8 +193,15 @@ class _BdbBackend(Backend):
         children = None
         if fanout is not None and queue in self._children:
             # `fanout` reads the daemon's settings: call it here, on the loop.
-            children = {child: fanout(child) for child in self._children[queue]}
-        result: Put = await self._call(jobs.PUT, queue, (message, unique, limits, children), sync)
+            children = {child: fanout.limits(child) for child in self._children[queue]}
+        result: Put | Copied = await self._call(
+            jobs.PUT, queue, (message, unique, limits, children), sync
+        )
+        if isinstance(result, tuple):
+            assert fanout is not None  # for mypy: only a put with children is worth Copied
+            for child in result:
+                fanout.stored(child)
+            return PUT_STORED
         return result
 
     def put_now(

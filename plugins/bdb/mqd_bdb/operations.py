@@ -30,6 +30,9 @@ from mqd_bdb.store import Store
 
 #: The limits of the fanout children the event loop knew of, by child name.
 ChildLimits = dict[str, Limits]
+#: A fanout put's value once its parent stored it: the children that stored
+#: their copies (the event loop counts them in each child's `enqueued`).
+Copied = tuple[str, ...]
 
 
 class Operations(Store):
@@ -37,12 +40,14 @@ class Operations(Store):
 
     def put(
         self, txn: Any, name: str, arg: tuple[Message, bool, Limits, ChildLimits | None]
-    ) -> Put:
+    ) -> Put | Copied:
         """Store `message`; then, with `children` (fanout), a copy in each child.
 
         A fanout child is the queue `<name>+<child>`; it gets its copy in the
         same transaction, under its own limits (given by the event loop,
         which knows the daemon's settings), refusing or dropping for itself.
+        Stored, a put with `children` is worth the children that stored
+        their copies (Copied) rather than PUT_STORED.
         """
         message, unique, limits, children = arg
         q = self.queues.get(name)
@@ -65,12 +70,18 @@ class Operations(Store):
             return Put.FULL
         if not self._append(txn, q, message):
             return Put.DUPLICATE
-        if children is not None and name in self.children:
-            for child in self.children[name]:
+        if children is not None:
+            copied = []
+            for child in self.children.get(name, ()):
                 # A child made in this very batch is not known to the loop
                 # yet: no limits for it.
                 copy = Message(message.body, message.flags, message.expires, message.created)
-                self.put(txn, child, (copy, False, children.get(child, NO_LIMITS), None))
+                if (
+                    self.put(txn, child, (copy, False, children.get(child, NO_LIMITS), None))
+                    is PUT_STORED
+                ):
+                    copied.append(child)
+            return tuple(copied)
         return PUT_STORED
 
     def _make_room(self, txn: Any, q: QueueState, limits: Limits, size: int) -> bool:

@@ -16,7 +16,7 @@ import pytest
 from bdb_helpers import ALWAYS, FIFO_NAMES, drain, put, session
 from mqd_bdb.backend import _BdbBackend
 
-from mqd.backend import Limits, Message, Put
+from mqd.backend import Fanout, Limits, Message, Put
 
 Call = Callable[[_BdbBackend], Awaitable[Any]]
 
@@ -326,7 +326,7 @@ def test_fanout_copies_taken_in_their_batch(name: str, tmp_path: Path) -> None:
 
     def fan(body: bytes) -> Call:
         async def call(b: _BdbBackend) -> Any:
-            return (await b.put("p", Message(body), sync=ALWAYS, fanout=limits)).name
+            return (await b.put("p", Message(body), sync=ALWAYS, fanout=Fanout(limits))).name
 
         return call
 

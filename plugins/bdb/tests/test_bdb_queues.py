@@ -9,7 +9,7 @@ import pytest
 from bdb_helpers import ALWAYS, NAMES, drain, put, session
 from mqd_bdb.backend import _BdbBackend
 
-from mqd.backend import Limits, Message, Put
+from mqd.backend import Fanout, Limits, Message, Put
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -24,7 +24,7 @@ def test_fanout_children_outlive_a_restart(name: str, tmp_path: Path) -> None:
     async def second(b: _BdbBackend) -> None:
         assert sorted(await b.queues()) == ["other+x", "q+all", "q+one"]
         for i in range(3):
-            stored = await b.put("q", Message(b"m%d" % i), sync=ALWAYS, fanout=limits)
+            stored = await b.put("q", Message(b"m%d" % i), sync=ALWAYS, fanout=Fanout(limits))
             assert stored is Put.STORED
         # A put refused by the parent's limits copies nothing.
         full = await b.put("q", Message(b"no"), sync=ALWAYS, limits=Limits(max_items=3))
@@ -35,7 +35,7 @@ def test_fanout_children_outlive_a_restart(name: str, tmp_path: Path) -> None:
         three = [b"m0", b"m1", b"m2"]
         assert got == {"q": three, "q+all": three, "q+one": [b"m0"], "other+x": []}
         assert await b.delete("q+all", sync=ALWAYS) is True
-        await b.put("q", Message(b"late"), sync=ALWAYS, fanout=limits)
+        await b.put("q", Message(b"late"), sync=ALWAYS, fanout=Fanout(limits))
         assert await b.size("q+all") is None
 
     session(name, tmp_path, first)
