@@ -185,18 +185,26 @@ def _uncounted(child: str) -> None:
     """Fanout.stored's default: a caller that counts no copies."""
 
 
+def _not_unique(child: str) -> bool:
+    """Fanout.unique's default: copies stored whatever the child holds."""
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class Fanout:
     """What a put to a fanout parent asks the daemon of its children, and tells it.
 
-    `limits(child)` gives a child's limits, asked before its copy is
-    stored; `stored(child)` is told of each copy stored (a full child's
-    refused copy is not), on the event loop, before put() returns: the
-    daemon counts it in the child's `enqueued`.
+    `limits(child)` gives a child's limits, and `unique(child)` whether it
+    stores a body it already holds (True: not, as put()'s `unique`; asked
+    only of a backend with Capability.UNIQUE), both asked before its copy
+    is stored; `stored(child)` is told of each copy stored (a full child's
+    refused copy and a duplicate are not), on the event loop, before put()
+    returns: the daemon counts it in the child's `enqueued`.
     """
 
     limits: Callable[[str], Limits]
     stored: Callable[[str], None] = _uncounted
+    unique: Callable[[str], bool] = _not_unique
 
 
 class Pending:
@@ -307,7 +315,8 @@ class Backend(abc.ABC):
         atomic step (one group commit), in each of its fanout children that
         exists: the queues named `<queue>+<child>`. Each copy is checked
         against the limits `fanout.limits(child)` gives, and a full child
-        refuses or drops for itself; each copy stored is told to
+        refuses or drops for itself, as a child that is `fanout.unique`
+        refuses a body it holds; each copy stored is told to
         `fanout.stored(child)`. The result speaks of `queue` alone.
 
         With a `holder`, a backend may answer before the write is as durable

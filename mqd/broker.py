@@ -195,7 +195,8 @@ class Broker:
         self._shared = Capability.SHARED in backend.capabilities
         self._loops: list[asyncio.Task[None]] = []  # periodic work, cancelled at stop
         self._pending_flush: asyncio.TimerHandle | None = None
-        self._fanout = Fanout(self._child_limits, self._child_stored)  # one, not one per set
+        # One, not one per set.
+        self._fanout = Fanout(self._child_limits, self._child_stored, self._child_unique)
         # The fanout children a get waits on, by parent: a set to the parent
         # copies its message into them, which no one else announces here.
         self._waiting_children: dict[str, set[str]] = {}
@@ -438,6 +439,8 @@ class Broker:
                 return None
         if key.at is not None:
             message = await self.backend.read_at(queue, key.at)
+            if message is None:
+                await self._named(queue, state)
             return message if message is not None and not _expired(message) else None
         if key.peek:
             return await self._peek(queue)
@@ -448,6 +451,10 @@ class Broker:
     def _child_limits(self, child: str) -> Limits:
         """A fanout child's limits: its own settings, by its own name."""
         return self.state(child).limits
+
+    def _child_unique(self, child: str) -> bool:
+        """Whether a fanout child keeps one copy of a body (`unique = true` in its settings)."""
+        return self.state(child).unique
 
     def _child_stored(self, child: str) -> None:
         """A fanout child stored its copy of a message set to its parent."""
@@ -476,9 +483,8 @@ class Broker:
             if message is LATER:
                 message = await self.backend.take(queue, sync=state.sync, holder=holder)
             if message is None:
-                if "+" in queue:
-                    # A fanout child comes into being the first time it is named.
-                    await self.backend.create(queue, sync=state.sync)
+                if "+" in queue:  # _named()'s test, inline: an empty get is common
+                    await self._named(queue, state)
                 break
             if message.expires and message.expires <= time.time():  # _expired, inline
                 state.expired += 1
@@ -492,6 +498,13 @@ class Broker:
                 counters.get_hits += 1
         return message
 
+    async def _named(self, queue: str, state: QueueState) -> None:
+        """A read of `queue` found nothing there. A fanout child comes into being the
+        first time a client names it, whatever the read: plain, `/open`, `/peek`,
+        `/at`, a range or a lease (a consumer that only opens must get copies too)."""
+        if "+" in queue:
+            await self.backend.create(queue, sync=state.sync)
+
     async def _read_range(self, key: Key) -> Hits:
         """`gets <queue>/at=<id>/n=<count>`: the messages at ids id..id+count-1, left in place."""
         assert key.at is not None
@@ -504,13 +517,17 @@ class Broker:
             self.counters.get_hits += 1
         else:
             self.counters.get_misses += 1
+            await self._named(key.queue, self.state(key.queue))
         return hits
 
     async def _peek(self, queue: str) -> Message | None:
         state = self.state(queue)
         while True:
             message = await self.backend.peek(queue)
-            if message is None or not _expired(message):
+            if message is None:
+                await self._named(queue, state)
+                return None
+            if not _expired(message):
                 return message
             if await self.backend.remove(queue, message.offset, sync=state.sync):
                 state.expired += 1
@@ -523,6 +540,7 @@ class Broker:
                 queue, lease=settings.visibility_timeout, sync=settings.sync
             )
             if message is None:
+                await self._named(queue, state)
                 return None
             if not _expired(message):
                 break
@@ -702,6 +720,8 @@ class Broker:
                     messages = await self._lease_into(state, lease, count, visibility)
             if messages is None:
                 continue
+            if not messages:
+                await self._named(queue, state)
             left = deadline - loop.time()
             if messages or left <= 0 or self.stopping:
                 return messages

@@ -49,6 +49,8 @@ max_item_size = 10
 idle_expiry = 0.5
 [queues."fan*+full"]
 max_items = 1
+[queues."fan*+once"]
+unique = true
 """
 
 

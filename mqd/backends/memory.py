@@ -295,13 +295,16 @@ class MemoryBackend(Backend):
             store.arrived(queue, self)
         if fanout is not None and store.children and queue in store.children:
             for child in store.children[queue]:
-                if self._copy(child, message, fanout.limits(child)):
+                if self._copy(child, message, fanout.limits(child), fanout.unique(child)):
                     fanout.stored(child)
         return PUT_STORED
 
-    def _copy(self, child: str, message: Message, limits: Limits) -> bool:
-        """A fanout child's own copy of a message stored in its parent; False: full, refused."""
+    def _copy(self, child: str, message: Message, limits: Limits, unique: bool) -> bool:
+        """A fanout child's own copy of a message stored in its parent; False: refused
+        (full, or a duplicate where the child is `unique`)."""
         q = self._queues[child]
+        if unique and message.body in q.index():
+            return False
         if limits and not q.make_room(limits, len(message.body)):
             return False
         q.append(Message(message.body, message.flags, message.expires, message.created))

@@ -609,6 +609,18 @@ class BackendConformance(BatchConformance):
 
         self.session(data_dir, body)
 
+    def test_a_put_straight_into_a_child_makes_it(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            await self.put(b, "p+own", b"own")
+            fanout = Fanout(lambda child: NO_LIMITS)
+            assert await b.put("p", Message(b"m"), sync=ALWAYS, fanout=fanout) is Put.STORED
+            got = []
+            while (m := await b.take("p+own", sync=ALWAYS)) is not None:
+                got.append(m.body)
+            assert sorted(got) == [b"m", b"own"]
+
+        self.session(data_dir, body)
+
     def test_redrive_moves_back_where_they_died(self, data_dir: Path) -> None:
         async def body(b: Backend) -> None:
             for queue in ("a", "b"):
@@ -691,6 +703,25 @@ class BackendConformance(BatchConformance):
             assert await self.unique(b, "q", r.body) is Put.STORED
             # Uniqueness is per queue.
             assert await self.unique(b, "other", b"x") is Put.STORED
+
+        self.session(data_dir, body)
+
+    def test_a_unique_fanout_child_keeps_one_copy_of_a_body(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            if Capability.UNIQUE not in b.capabilities:
+                pytest.skip("backend has no uniqueness")
+            copies: list[str] = []
+            fanout = Fanout(lambda child: NO_LIMITS, copies.append, lambda child: child == "q+u")
+            for child in ("q+u", "q+all"):
+                assert await b.create(child, sync=ALWAYS) is True
+            stored = [
+                await b.put("q", Message(text), sync=ALWAYS, fanout=fanout)
+                for text in (b"x", b"x", b"y")
+            ]
+            # A set-like backend stores the second x in the parent neither: no copies then.
+            assert sorted(copies) == ["q+all"] * stored.count(Put.STORED) + ["q+u"] * 2
+            u = await b.size("q+u")
+            assert u is not None and u.items == 2
 
         self.session(data_dir, body)
 

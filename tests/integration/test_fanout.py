@@ -37,6 +37,15 @@ def test_children_get_every_later_message(daemon: Daemon, raw: Raw, q: str) -> N
     mc.close()
 
 
+@pytest.mark.parametrize("first", ["/open", "/t=10/open", "/close/open", "/peek", "/lease=w/n=1"])
+def test_a_child_named_first_by_any_read_gets_what_comes_next(raw: Raw, q: str, first: str) -> None:
+    """A consumer that only ever opens (Kestrel's reliable read) names its child so."""
+    verb = b"gets" if "lease" in first else b"get"
+    raw.call(b"%b %b+c%b\r\n" % (verb, q.encode(), first.encode()), b"END\r\n")
+    store(raw, q, b"m")
+    raw.call(b"get %b+c\r\n" % q.encode(), value(q + "+c", b"m") + b"END\r\n")
+
+
 @pytest.mark.parametrize("backend", ["memory", "bdb"])
 def test_a_get_waiting_on_a_child_wakes_at_a_set_to_its_parent(
     backend: str, tmp_path: Path
@@ -66,6 +75,17 @@ def test_a_full_child_refuses_for_itself(daemon: Daemon, raw: Raw) -> None:
     assert stats[f"queue_{parent}+full_enqueued".encode()] == 1  # the refused copy is not
     raw.call(b"get %b+full\r\n" % parent.encode(), value(parent + "+full", b"1") + b"END\r\n")
     raw.call(b"get %b+full\r\n" % parent.encode(), b"END\r\n")
+
+
+def test_a_unique_child_keeps_one_copy_of_a_body(raw: Raw) -> None:
+    parent = "fan" + str(time.monotonic_ns())
+    raw.call(b"get %b+once\r\n" % parent.encode(), b"END\r\n")
+    for body in (b"x", b"x", b"y"):
+        store(raw, parent, body)  # the parent is not unique: it stores all three
+    child = parent + "+once"
+    raw.call(b"get %b\r\n" % child.encode(), value(child, b"x") + b"END\r\n")
+    raw.call(b"get %b\r\n" % child.encode(), value(child, b"y") + b"END\r\n")
+    raw.call(b"get %b\r\n" % child.encode(), b"END\r\n")
 
 
 def test_redrive_command_and_cli(daemon: Daemon, raw: Raw) -> None:

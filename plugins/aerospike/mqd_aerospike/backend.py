@@ -80,6 +80,7 @@ class AerospikeBackend(Backend):
         self._empty: Memo[tuple[str, int], bool] = Memo()  # last seen: nothing waiting there
         self._turn = random.randrange(1 << 16)  # where this daemon's gets and sets start
         self._homes: Memo[str, int] = Memo()  # the shard this daemon's sets go to now, by queue
+        self._adopted: Memo[str, bool] = Memo()  # fanout children this daemon's sets made
         self._watched: dict[str, int] = {}
         self._seen: dict[str, tuple[int, ...]] = {}
         self._poller: asyncio.Task[None] | None = None
@@ -165,6 +166,11 @@ class AerospikeBackend(Backend):
     ) -> Put:
         if unique:
             raise StorageError("unique not supported by backend aerospike")
+        if "+" in queue and queue not in self._adopted:
+            # `set jobs+audit ...` makes the child as a get of it does: create()
+            # enters it among its parent's children, so that it gets copies.
+            await self.create(queue, sync=sync)
+            self._adopted[queue] = True
         op = await self._put(queue, message, limits, "", fanout is not None)
         if op.result is Put.STORED and fanout is not None:
             # Each child's copy is its own commit, made before the reply: one
@@ -489,6 +495,7 @@ class AerospikeBackend(Backend):
     def _forget(self, queue: str, shards: int) -> None:
         self._shards.pop(queue, None)
         self._homes.pop(queue, None)
+        self._adopted.pop(queue, None)
         for s in range(shards):
             self._empty.pop((queue, s), None)
 

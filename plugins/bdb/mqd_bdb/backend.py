@@ -193,7 +193,10 @@ class _BdbBackend(Backend):
         children = None
         if fanout is not None and queue in self._children:
             # `fanout` reads the daemon's settings: call it here, on the loop.
-            children = {child: fanout.limits(child) for child in self._children[queue]}
+            children = {
+                child: (fanout.limits(child), fanout.unique(child))
+                for child in self._children[queue]
+            }
         result: Put | Copied = await self._call(
             jobs.PUT, queue, (message, unique, limits, children), sync
         )

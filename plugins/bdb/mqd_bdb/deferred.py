@@ -30,7 +30,7 @@ from mqd_bdb import jobs
 from mqd_bdb.catalog import QueueState
 from mqd_bdb.config import BdbConfig
 from mqd_bdb.index import BodyIndex
-from mqd_bdb.operations import ChildLimits, Copied
+from mqd_bdb.operations import Children, Copied
 from mqd_bdb.records import u64
 
 #: Jobs that may change or read queues other than the one they name.
@@ -115,7 +115,7 @@ class DeferredPuts(BodyIndex):
             self._write_deferred(txn, name)
 
     def put(
-        self, txn: Any, name: str, arg: tuple[Message, bool, Limits, ChildLimits | None]
+        self, txn: Any, name: str, arg: tuple[Message, bool, Limits, Children | None]
     ) -> Put | Copied:
         message, unique, limits, children = arg
         if unique or jobs.bounded(limits) or (children is not None and name in self.children):

@@ -8,7 +8,7 @@ from typing import Any, Final
 from mqd.backend import NO_LIMITS, Limits, Sync
 
 # Operation codes, the first item of a Job; the argument each takes.
-PUT: Final = 0  # (message, unique, limits, {child: limits} or None) -> Put, Copied
+PUT: Final = 0  # (message, unique, limits, {child: (limits, unique)} or None) -> Put, Copied
 TAKE: Final = 1  # None -> Message | None
 RESERVE: Final = 2  # (owner, lease seconds) -> Message | None, its receipt set
 ACK: Final = 3  # receipt -> bool

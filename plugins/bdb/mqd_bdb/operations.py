@@ -7,7 +7,7 @@ calls a layout supplies (declared at the end of mqd_bdb.store.Store).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Final
 
 from berkeleydb import db
 
@@ -28,8 +28,10 @@ from mqd_bdb.records import (
 )
 from mqd_bdb.store import Store
 
-#: The limits of the fanout children the event loop knew of, by child name.
-ChildLimits = dict[str, Limits]
+#: The fanout children the event loop knew of, by name: their limits, and
+#: whether each keeps one copy of a body (its `unique`).
+Children = dict[str, tuple[Limits, bool]]
+NO_CHILD: Final = (NO_LIMITS, False)  # a child made in the very batch of a put
 #: A fanout put's value once its parent stored it: the children that stored
 #: their copies (the event loop counts them in each child's `enqueued`).
 Copied = tuple[str, ...]
@@ -39,7 +41,7 @@ class Operations(Store):
     """put, take, reserve, remove, peek, contains, discard, restore."""
 
     def put(
-        self, txn: Any, name: str, arg: tuple[Message, bool, Limits, ChildLimits | None]
+        self, txn: Any, name: str, arg: tuple[Message, bool, Limits, Children | None]
     ) -> Put | Copied:
         """Store `message`; then, with `children` (fanout), a copy in each child.
 
@@ -75,11 +77,9 @@ class Operations(Store):
             for child in self.children.get(name, ()):
                 # A child made in this very batch is not known to the loop
                 # yet: no limits for it.
+                own_limits, own_unique = children.get(child, NO_CHILD)
                 copy = Message(message.body, message.flags, message.expires, message.created)
-                if (
-                    self.put(txn, child, (copy, False, children.get(child, NO_LIMITS), None))
-                    is PUT_STORED
-                ):
+                if self.put(txn, child, (copy, own_unique, own_limits, None)) is PUT_STORED:
                     copied.append(child)
             return tuple(copied)
         return PUT_STORED
