@@ -1,8 +1,8 @@
 """The life cycle of one Berkeley DB environment: lock, open, recover, close.
 
-flush(), trickle(), checkpoint() and log_end() are the only calls made from the keeper
-thread; they use the environment alone (opened DB_THREAD), never a database
-handle, which stay on the worker thread.
+flush(), trickle(), checkpoint(), log_end() and log_files() are the only
+calls made from the keeper thread; they use the environment alone (opened
+DB_THREAD), never a database handle, which stay on the worker thread.
 """
 
 from __future__ import annotations
@@ -329,3 +329,7 @@ class Environment:
         """Where the log ends (file, offset): unchanged between two looks, nothing was written."""
         stat = self.env.log_stat()
         return stat["cur_file"], stat["cur_offset"]
+
+    def log_files(self) -> int:
+        """How many log files there are, the current one among them."""
+        return len(self.env.log_archive(db.DB_ARCH_LOG))

@@ -876,10 +876,13 @@ class Worker:
                     store.space.gauge()
                     store.trickle(TRICKLE_PERCENT)
                     # Once nothing was written for a look, a checkpoint (if
-                    # anything was since the last): the log files of what was
-                    # written go now, not a checkpoint_s later, so a drained
-                    # queue gives its log back.
-                    quiet = store.log_end() == log_end
+                    # anything was since the last) where there are log files
+                    # before the current one: they go now, not a checkpoint_s
+                    # later, so a drained queue gives its log back. Not for
+                    # the current file alone: under a slow trickle of sets
+                    # that was a checkpoint every few seconds, syncing each
+                    # file written since, and removing nothing.
+                    quiet = store.log_end() == log_end and store.log_files() > 1
                     timed = now - last_checkpoint >= store.config.checkpoint_s
                     store.checkpoint(timed, 0 if quiet else None)
                     log_end = store.log_end()  # a checkpoint's own record is not a write

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from bdb_helpers import NAMES, drain, fill_up, make, put, small_disk
+from bdb_helpers import NAMES, drain, fill_up, make, put, session, small_disk
 from mqd_bdb.backend import _BdbBackend
 from mqd_bdb.space import OVER, Space, put_cost
 from pymemcache.client.base import Client
@@ -201,6 +201,28 @@ def test_once_the_writes_stop_the_log_files_go(name: str, tmp_path: Path) -> Non
             time.sleep(0.1)
         assert len(logs) == 1, logs
         assert client.get("q") is None
+
+
+def test_a_trickle_within_one_log_file_takes_no_checkpoint_at_each_pause(
+    tmp_path: Path,
+) -> None:
+    """The checkpoint once writes stop is for log files to remove: with the
+    current file alone there is none, and a set every 1.5 s (looks every
+    second) would otherwise checkpoint, syncing every file written, at each
+    pause."""
+
+    async def body(b: _BdbBackend) -> None:
+        await put(b, "q", b"first")
+        await asyncio.sleep(2.5)
+        env = b.worker.store.env
+        before = env.txn_stat()["last_ckp"]
+        for i in range(4):
+            await put(b, "q", b"%d" % i)
+            await asyncio.sleep(1.5)
+        assert len(list((tmp_path / "data").glob("log.*"))) == 1  # the premise
+        assert env.txn_stat()["last_ckp"] == before
+
+    session("bdb", tmp_path / "data", body)
 
 
 @pytest.mark.parametrize("name", NAMES)
