@@ -46,8 +46,9 @@ class Operations(Store):
         """Store `message`; then, with `children` (fanout), a copy in each child.
 
         A fanout child is the queue `<name>+<child>`; it gets its copy in the
-        same transaction, under its own limits (given by the event loop,
-        which knows the daemon's settings), refusing or dropping for itself.
+        same transaction, under its own limits and `unique` (given by the
+        event loop, which knows the daemon's settings), refusing or dropping
+        for itself.
         Stored, a put with `children` is worth the children that stored
         their copies (Copied) rather than PUT_STORED.
         """
