@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -94,6 +95,7 @@ class Options:
     loop: str | None
     base_dir: str | None
     own_session: bool = True  # see --server-session
+    backlog: int | None = None  # see --backlog
 
 
 @dataclass(frozen=True)
@@ -286,6 +288,8 @@ def measure(system: System, driver: Driver, o: Options) -> dict[int, Figures]:
             driver.measure(srv, system.wire, 1, o.warmup, o)
         figures = {}
         for p in o.pipelines:
+            if o.backlog is not None and system.wire == "memcache":
+                set_backlog(srv.port, o.backlog, o)
             cpu = srv.cpu()
             f = driver.measure(srv, system.wire, p, o.test_time, o)
             ops = f.ops_per_s * o.test_time
@@ -297,6 +301,34 @@ def measure(system: System, driver: Driver, o: Options) -> dict[int, Figures]:
             f"server CPU {f.cpu_us:.2f} us/op"
         )
     return figures
+
+
+def set_backlog(port: int, holding: int, o: Options) -> None:
+    """Leave queues q1 to q`holding` one message each and the other connections' queues empty.
+
+    Under the queue load every get finds a message, so each queue keeps the
+    backlog it starts with; what a figure left behind (a connection's last
+    set without its get) otherwise decides it. On mqd Berkeley DB `always`,
+    a queue with a message writes and syncs one at each round of its
+    connection, where one whose consumer keeps up pairs its sets with its
+    gets and writes nothing (benchmarks/RESULTS.md).
+    """
+    queues = o.threads * o.clients
+    body = b"b" * o.size
+    request = b"".join(b"delete q%d\r\n" % n for n in range(1, queues + 1))
+    request += b"".join(
+        b"set q%d 0 0 %d\r\n%s\r\n" % (n, len(body), body) for n in range(1, holding + 1)
+    )
+    with socket.create_connection((HOST, port), timeout=30) as s:
+        s.sendall(request)
+        replies = b""
+        while replies.count(b"\r\n") < queues + holding:
+            chunk = s.recv(65536)
+            if not chunk:
+                raise RuntimeError(f"port {port} closed the connection while queues were set up")
+            replies += chunk
+    if replies.count(b"STORED\r\n") != holding:
+        raise RuntimeError(f"port {port}: setting up the backlog answered {replies[-200:]!r}")
 
 
 def _median(runs: list[Figures]) -> Figures:
@@ -503,6 +535,14 @@ def main(argv: list[str] | None = None) -> int:
         "control group of its own under systemd); shared: in memtier's session, each "
         "server thread scheduled against each memtier thread",
     )
+    p.add_argument(
+        "--backlog",
+        type=int,
+        default=None,
+        help="before each figure of the memcached protocol's systems, leave one message in "
+        "queues q1 to qN and none in the other connections' queues (default: as the warm-up "
+        "and the figure before left them)",
+    )
     add_checkout_options(p)
     a = p.parse_args(argv)
     mqds = checkouts(a)
@@ -517,7 +557,10 @@ def main(argv: list[str] | None = None) -> int:
         loop=a.loop if all("--loop" in mqd_serve_flags(c.exe) for c in mqds) else None,
         base_dir=a.tmpdir,
         own_session=a.server_session == "own",
+        backlog=a.backlog,
     )
+    if a.backlog is not None and not 0 <= a.backlog <= o.threads * o.clients:
+        p.error(f"--backlog must be 0 to {o.threads * o.clients}, one queue a connection")
     memtier = find_memtier(a.memtier) if a.generator != "loadgen" else None
     if a.generator == "memtier" and memtier is None:
         p.error("memtier_benchmark not found: give --memtier PATH")
