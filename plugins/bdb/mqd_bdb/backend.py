@@ -5,7 +5,11 @@ A plain put or take with a holder runs at once on the event loop when it can
 environment's worker thread and one future to await. The gauges size(),
 sizes() and queues() answer from are published after every batch and round,
 so they cost no trip to the thread; while a round is open on the loop,
-size() reads that round's own counts instead (Worker.size_in_round).
+size() reads that round's own counts instead (Worker.size_in_round). Where
+jobs made before the call have not published theirs yet (a round not yet
+answered, jobs on the thread), the answer is a job of its own after them:
+a pipelined set that made a queue and the `stats` or `flush_all` behind it
+see the queue.
 
 These backends are not Capability.SHARED: one daemon holds the data
 directory (flock on LOCK), so the broker wakes its own waiters and listen()
@@ -347,7 +351,7 @@ class _BdbBackend(Backend):
         return result
 
     async def queues(self) -> list[str]:
-        return list(self._sizes)
+        return list(await self.sizes())
 
     async def size(self, queue: str) -> QueueSize | None:
         worker = self._worker
@@ -355,10 +359,23 @@ class _BdbBackend(Backend):
             live = worker.size_in_round(queue)
             if live is not LATER:
                 return live
+            if not self._settled(worker):
+                return (await self.sizes()).get(queue)
         return self._sizes.get(queue)
 
     async def sizes(self) -> dict[str, QueueSize]:
-        return dict(self._sizes)
+        worker = self._worker
+        if worker is None or self._settled(worker):
+            return dict(self._sizes)
+        # The commands before this one may have run in a round not yet
+        # answered (a pipelined set that made a queue, then `stats` or
+        # `flush_all`): a job after theirs reads what they left.
+        result: dict[str, QueueSize] = await self._call(jobs.SIZES, "", None, None)
+        return result
+
+    def _settled(self, worker: Worker) -> bool:
+        """Whether the published gauges include what every job made so far did."""
+        return not self._outbox and worker.settled()
 
 
 def _one_queue(receipts: Sequence[Receipt]) -> str | None:

@@ -32,6 +32,7 @@ RESERVE_MANY: Final = 19  # (owner, lease seconds, count, max_bytes) -> [Message
 ACK_MANY: Final = 20  # [receipt], all of the job's queue -> [bool]
 RELEASE_MANY: Final = 21  # [(receipt, dead-letter queue or None)], of the job's queue -> [bool]
 EXTEND_MANY: Final = 22  # ([receipt] of the job's queue, lease seconds) -> [bool]
+SIZES: Final = 23  # None -> {queue: QueueSize}: every queue's, as the jobs before it left it
 
 #: The Store method that runs each operation.
 METHODS: Final = {
@@ -58,6 +59,7 @@ METHODS: Final = {
     ACK_MANY: "ack_many",
     RELEASE_MANY: "release_many",
     EXTEND_MANY: "extend_many",
+    SIZES: "every_size",
 }
 
 #: (operation, queue name, argument, sync or None for reads, future or None).

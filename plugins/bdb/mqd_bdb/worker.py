@@ -302,17 +302,28 @@ class Worker:
         return value
 
     def size_in_round(self, queue: str) -> QueueSize | Later | None:
-        """`queue`'s size as this turn's open round leaves it; LATER if none is open.
+        """`queue`'s size as this turn's open round leaves it; LATER if none is open
+        (or the thread has jobs made before this call still to run).
 
         While a round is open the loop holds the store, so its counts, which
         already include what the round's held puts and takes did, are read
         directly: a reply made in the round (a Redis push's length) then
         counts the commands before it, as the published gauges do not yet.
         """
-        if self._loop_round is None:
+        if self._loop_round is None or self._outstanding:
             return LATER
         q = self.store.queues.get(queue)
         return None if q is None else q.size()
+
+    def settled(self) -> bool:
+        """Whether the gauges delivered so far include what every job made so far did.
+
+        Not while a round is open, a committed round awaits its answer (its
+        gauges go out with it, once synced), or the thread has jobs of the
+        loop's not yet answered: a held set has its answer, and the next
+        command of its pipeline runs, before any of that.
+        """
+        return self._loop_round is None and not self._unsynced and not self._outstanding
 
     def _here(self, bundle: Sequence[jobs.Job]) -> Round | None:
         """This turn's round, opened if need be, if `bundle` may run in it; else None."""

@@ -10,6 +10,8 @@ from bdb_helpers import ALWAYS, NAMES, drain, put, session
 from mqd_bdb.backend import _BdbBackend
 
 from mqd.backend import Fanout, Limits, Message, Put
+from mqd.testing.daemon import Daemon
+from mqd.testing.raw import Raw
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -76,3 +78,32 @@ def test_redrive_takes_the_oldest_first(name: str, tmp_path: Path) -> None:
         assert sorted(m.body for m in await drain(b, "dead")) == sorted(sent[3:])
 
     session(name, tmp_path, body)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_commands_behind_a_pipelined_set_see_the_queue_it_made(
+    name: str, tmp_path: Path
+) -> None:
+    """A set answered from a round not yet synced still runs before what follows it.
+
+    On the single-file layouts a set that makes a queue runs in the event
+    loop's round; `stats` and `flush_all`, right behind it in one write,
+    must find that queue, and a message it stored before an `OK` flush must
+    be gone.
+    """
+    with Daemon(tmp_path, backend=name) as daemon:
+        conn = Raw(daemon.address)
+        conn.send(b"set made1 0 0 1\r\nx\r\nflush_all\r\nget made1\r\n")
+        assert conn.read_until(b"END\r\n") == b"STORED\r\nOK\r\nEND\r\n"
+        conn.send(b"set made2 0 0 1\r\na\r\nflush_all\r\nset made2 0 0 1\r\nb\r\nget made2\r\n")
+        assert (
+            conn.read_until(b"END\r\n")
+            == b"STORED\r\nOK\r\nSTORED\r\nVALUE made2 0 1\r\nb\r\nEND\r\n"
+        )
+        conn.send(b"set made3 0 0 2\r\nab\r\nset made4 0 0 1\r\nc\r\nstats queues\r\n")
+        reply = conn.read_until(b"END\r\n").decode()
+        for line in ("queue_made3_items 1", "queue_made3_bytes 2", "queue_made3_enqueued 1",
+                     "queue_made4_items 1", "queue_made4_enqueued 1"):  # fmt: skip
+            assert f"STAT {line}\r\n" in reply, reply
+        conn.send(b"set made5 0 0 1\r\nd\r\nstats\r\n")
+        assert "STAT curr_items 3\r\n" in conn.read_until(b"END\r\n").decode()

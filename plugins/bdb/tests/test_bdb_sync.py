@@ -242,6 +242,31 @@ def test_held_answers_come_at_once_and_are_released_after_their_sync(
 
 
 @EACH_PATH
+@pytest.mark.parametrize("name", NAMES)
+def test_gauges_asked_behind_held_answers_count_what_those_did(
+    name: str, where: str, tmp_path: Path
+) -> None:
+    """size(), sizes() and queues() asked after a held put, before its round is
+    answered (and its gauges published), count that put all the same."""
+
+    async def body(b: _BdbBackend) -> None:
+        await make_empty(b, "q")
+        holder = Holder(b)
+        put_held(b, holder, b"one")  # in this turn's round, not yet committed
+        assert [s.items for s in (await b.sizes()).values()] == [1]
+        assert await b.queues() == ["q"]
+        # In a round of its own, or on the thread while that holds the store.
+        assert await b.put("q", Message(b"two"), sync=ALWAYS, holder=holder) is Put.STORED
+        await asyncio.sleep(0)  # a round has ended: committed, maybe still syncing
+        size = await b.size("q")
+        assert size is not None and size.items == 2
+        assert await holder.released() is None
+        assert [m.body for m in await drain(b, "q")] == [b"one", b"two"]
+
+    sync_session(name, tmp_path, where, body)
+
+
+@EACH_PATH
 @pytest.mark.parametrize("name", FIFO_NAMES)
 def test_a_round_whose_puts_it_took_itself_answers_without_a_sync(
     name: str, where: str, tmp_path: Path
