@@ -100,6 +100,7 @@ class Round:
         "error",
         "futures",
         "held",
+        "number",
         "pendings",
         "periodic",
         "queue",
@@ -132,6 +133,7 @@ class Round:
         self.periodic = False  # whether any asked for Sync.PERIODIC
         self.error: BaseException | None = None  # a job failed: the round is undone
         self.cause: BaseException | None = None  # what it met (a panic makes the thread recover)
+        self.number = 0  # its place among the store's commits (Worker._numbered)
 
     def ran(self, sync: Sync | None) -> None:
         """One of its jobs ran, asking for `sync`."""
@@ -214,6 +216,13 @@ class Worker:
         self.rounds = 0  # rounds run on the event loop
         self.early = 0  # holders of synced rounds answered as the sync started
         self.free = 0  # rounds committed and answered while a sync ran (_free)
+        # Gauges go out in the order the store committed them: a round's with
+        # its answers, after its sync, may come after those of a batch the
+        # thread committed later (a queue's delete), which they must not undo.
+        # Commits are numbered under the store's lock (_numbered).
+        self._commits = 0
+        self._gauges_next = 1  # the commit whose gauges go out next
+        self._gauges_held: dict[int, Published] = {}  # later ones, till it has
 
     # -- loop side -----------------------------------------------------------
 
@@ -259,9 +268,30 @@ class Worker:
         self._outstanding += len(bundle)
         self.inbox.put(bundle)
 
-    def _delivered(self, results: list[jobs.Result], published: Published) -> None:
+    def _delivered(self, results: list[jobs.Result], published: Published, number: int) -> None:
         self._outstanding -= sum(1 for result in results if result[0][4] is not None)
-        self.deliver(results, published)
+        self.deliver(results, self._in_order(number, published))
+
+    def _numbered(self) -> int:
+        """The next commit's number (the store's lock held: commits are in its order)."""
+        self._commits += 1
+        return self._commits
+
+    def _in_order(self, number: int, published: Published) -> Published:
+        """The gauges to publish now that commit `number`'s have come: its own and any
+        later ones held for it, in commit order (none while an earlier one is awaited)."""
+        if number != self._gauges_next:
+            self._gauges_held[number] = published
+            return {}
+        self._gauges_next += 1
+        held = self._gauges_held
+        if not held:
+            return published
+        merged = dict(published)
+        while self._gauges_next in held:
+            merged.update(held.pop(self._gauges_next))
+            self._gauges_next += 1
+        return merged
 
     def run_now(self, job: jobs.Job, holder: Holder) -> Any:
         """Run a quick job here, in this turn's round: its value, or LATER if it can't.
@@ -323,7 +353,12 @@ class Worker:
         loop's not yet answered: a held set has its answer, and the next
         command of its pipeline runs, before any of that.
         """
-        return self._loop_round is None and not self._unsynced and not self._outstanding
+        return (
+            self._loop_round is None
+            and not self._unsynced
+            and not self._outstanding
+            and not self._gauges_held
+        )
 
     def _here(self, bundle: Sequence[jobs.Job]) -> Round | None:
         """This turn's round, opened if need be, if `bundle` may run in it; else None."""
@@ -384,6 +419,7 @@ class Worker:
                 self._end_due = True
                 return
         self._loop_round = None
+        r.number = self._numbered()
         store = self.store
         published: Published = {}
         error = r.error
@@ -614,6 +650,7 @@ class Worker:
         error: BaseException | None,
     ) -> None:
         self._note(False, r.periodic)
+        published = self._in_order(r.number, published)
         if results or published:
             self.deliver(results, published)
         for pending in r.pendings.values():
@@ -758,7 +795,7 @@ class Worker:
             if error is not None:
                 results = self._unflushed(results, error)
         if results or published:
-            self._post(self._delivered, results, published)
+            self._post(self._delivered, results, published, self._numbered())
         return writers > 0, periodic, stop
 
     def _batch(

@@ -266,6 +266,35 @@ def test_gauges_asked_behind_held_answers_count_what_those_did(
     sync_session(name, tmp_path, where, body)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_round_answered_after_a_later_delete_does_not_bring_the_queue_back(
+    name: str, tmp_path: Path
+) -> None:
+    """Gauges go out in the order of the commits, not of the answers.
+
+    A round's gauges go out with its answers, after its sync; a delete the
+    thread commits after that round, needing no sync, is answered first.
+    The round's gauges must not then put the deleted queue back in `stats`.
+    """
+
+    async def body(b: _BdbBackend) -> None:
+        await make_empty(b, "q")
+        await put(b, "q", b"one")
+        await put(b, "q", b"two")
+        await settle(b)
+        holder = Holder(b)
+        with b.worker._env_lock:  # the sync thread's flush waits
+            assert take_held(b, holder, "q") == b"one"
+            await asyncio.sleep(0)  # the round commits; its sync is asked for
+            assert await b.delete("q", sync=Sync.NONE) is True  # the thread, no sync
+            assert await b.size("q") is None
+        assert await holder.released() is None
+        assert "q" not in await b.sizes()
+        assert await b.size("q") is None
+
+    sync_session(name, tmp_path, "on-thread", body)
+
+
 @EACH_PATH
 @pytest.mark.parametrize("name", FIFO_NAMES)
 def test_a_round_whose_puts_it_took_itself_answers_without_a_sync(
