@@ -379,23 +379,26 @@ class Connection(asyncio.Protocol):
         something waits again: one command after another costs less then.
         """
         pending = self.pending
-        commands = [first]
-        while pending and len(commands) < GROUP_MAX and self.groups(pending[0]):
-            commands.append(pending.popleft())
         group = Together()
         through_execute = self.server.metrics is not None or not self.straight_to_broker
-        if through_execute:
-            for command in commands:
-                group.start(self._execute(command))
-        else:
-            # Straight to the broker: a coroutine fewer per command than
-            # _execute, which matters when each one waits.
-            broker = self.broker
-            for command in commands:
-                if isinstance(command, Store):
-                    group.start(broker.store(command))
-                elif isinstance(command, Retrieve):
-                    group.start(broker.retrieve(command, self.session))
+        broker = self.broker
+        commands: list[Any] = []
+        command = first
+        while True:
+            commands.append(command)
+            if through_execute:
+                ended = group.start(self._execute(command))
+            elif isinstance(command, Store):
+                # Straight to the broker: a coroutine fewer per command than
+                # _execute, which matters when each one waits.
+                ended = group.start(broker.store(command))
+            else:
+                ended = group.start(broker.retrieve(command, self.session))
+            if not (pending and len(commands) < GROUP_MAX and self.groups(pending[0])):
+                break
+            if not ended and self.reads_after_storing(command):
+                break  # the rest start once its reply is made (see reads_after_storing)
+            command = pending.popleft()
         results = await group.wait()
         if not group.waited or self.broker.backend.answers_held:
             # After the wait, which made this connection a task and so turned
@@ -429,6 +432,14 @@ class Connection(asyncio.Protocol):
             return False
         key = command.keys[0]
         return key.plain or _closes_only(key)
+
+    def reads_after_storing(self, command: Any) -> bool:
+        """Whether `command`'s reply reads the store after its write, so that the
+        commands grouped behind it must not start while that write waits.
+
+        None here: a set's reply is what its store did.
+        """
+        return False
 
     def _emit(self, reply: bytes) -> None:
         self.out.append(reply)

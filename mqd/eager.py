@@ -84,12 +84,17 @@ class Together:
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self._loop = asyncio.get_running_loop()
 
-    def start(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """Run `coro` now up to its first wait; its result lands in `results`."""
+    def start(self, coro: Coroutine[Any, Any, Any]) -> bool:
+        """Run `coro` now up to its first wait; its result lands in `results`.
+
+        True if it ended without waiting.
+        """
         index = len(self.results)
         self.results.append(None)
-        self._left += 1
+        left = self._left
+        self._left = left + 1
         self._step(coro, index)
+        return self._left == left
 
     async def wait(self) -> list[Any]:
         """Every result, in the order started; cancelling this cancels what still runs."""

@@ -45,6 +45,7 @@ _GROUPED = {
     3: frozenset({b"lpush", b"rpush", b"sadd"}),
     2: frozenset({b"rpop", b"lpop", b"spop"}),
 }
+_PUSHES = frozenset({b"lpush", b"rpush"})
 
 
 class RedisConnection(Connection):
@@ -99,10 +100,20 @@ class RedisConnection(Connection):
 
         Their storage calls are then made in order in one turn of the loop, so a
         group-committing backend flushes once for a pipeline of them. A push's
-        length reply is read after its store, so it may already count pops
-        pipelined behind it.
+        length reply is read after its store: see reads_after_storing.
         """
         return type(request) is list and request[0].lower() in _GROUPED.get(len(request), ())
+
+    def reads_after_storing(self, request: Any) -> bool:
+        """A push's length reply is read once its values are stored.
+
+        On a backend that holds answers (Berkeley DB) a store waits only where
+        it cannot run at once (a queue made on the worker thread): the pops
+        behind it then start once the length is read, so that it counts none
+        of them. Where every store waits (a shared store), they keep starting
+        with it, as docs/protocol.md allows.
+        """
+        return self.broker.backend.answers_held and request[0].lower() in _PUSHES
 
     def _login(self, request: Any) -> bytes:
         """Before a login only AUTH, HELLO and QUIT run (b"": run it); others: NOAUTH."""

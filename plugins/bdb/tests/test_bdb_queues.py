@@ -107,3 +107,28 @@ def test_the_commands_behind_a_pipelined_set_see_the_queue_it_made(
             assert f"STAT {line}\r\n" in reply, reply
         conn.send(b"set made5 0 0 1\r\nd\r\nstats\r\n")
         assert "STAT curr_items 3\r\n" in conn.read_until(b"END\r\n").decode()
+
+
+def _resp(*args: bytes) -> bytes:
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in args)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_push_that_makes_a_queue_counts_none_of_the_pops_behind_it(
+    name: str, tmp_path: Path
+) -> None:
+    """A push's length counts exactly the commands before it, as Redis' does,
+    also where its store waits for the queue to be made."""
+    with Daemon(tmp_path, backend=name, redis=True) as daemon:
+        conn = Raw(daemon.redis_address)
+        for _ in range(3):
+            conn.send(_resp(b"LPUSH", b"k", b"a") + _resp(b"RPOP", b"k"))
+            assert conn.read(len(b":1\r\n$1\r\na\r\n")) == b":1\r\n$1\r\na\r\n"
+            conn.send(
+                _resp(b"DEL", b"k") + _resp(b"RPUSH", b"k", b"a") + _resp(b"RPUSH", b"k", b"b")
+            )
+            conn.send(_resp(b"RPOP", b"k") + _resp(b"RPOP", b"k") + _resp(b"LLEN", b"k"))
+            expected = b":1\r\n:1\r\n:2\r\n$1\r\na\r\n$1\r\nb\r\n:0\r\n"
+            assert conn.read(len(expected)) == expected
+            conn.send(_resp(b"DEL", b"k"))
+            assert conn.read(4) == b":1\r\n"
