@@ -440,7 +440,7 @@ class Broker:
         if key.at is not None:
             message = await self.backend.read_at(queue, key.at)
             if message is None:
-                await self._named(queue, state)
+                await self._named(queue)
             return message if message is not None and not _expired(message) else None
         if key.peek:
             return await self._peek(queue)
@@ -484,7 +484,7 @@ class Broker:
                 message = await self.backend.take(queue, sync=state.sync, holder=holder)
             if message is None:
                 if "+" in queue:  # _named()'s test, inline: an empty get is common
-                    await self._named(queue, state)
+                    await self._named(queue)
                 break
             if message.expires and message.expires <= time.time():  # _expired, inline
                 state.expired += 1
@@ -498,12 +498,12 @@ class Broker:
                 counters.get_hits += 1
         return message
 
-    async def _named(self, queue: str, state: QueueState) -> None:
+    async def _named(self, queue: str) -> None:
         """A read of `queue` found nothing there. A fanout child comes into being the
         first time a client names it, whatever the read: plain, `/open`, `/peek`,
         `/at`, a range or a lease (a consumer that only opens must get copies too)."""
         if "+" in queue:
-            await self.backend.create(queue, sync=state.sync)
+            await self.backend.create(queue, sync=self.state(queue).sync)
 
     async def _read_range(self, key: Key) -> Hits:
         """`gets <queue>/at=<id>/n=<count>`: the messages at ids id..id+count-1, left in place."""
@@ -517,7 +517,7 @@ class Broker:
             self.counters.get_hits += 1
         else:
             self.counters.get_misses += 1
-            await self._named(key.queue, self.state(key.queue))
+            await self._named(key.queue)
         return hits
 
     async def _peek(self, queue: str) -> Message | None:
@@ -525,7 +525,7 @@ class Broker:
         while True:
             message = await self.backend.peek(queue)
             if message is None:
-                await self._named(queue, state)
+                await self._named(queue)
                 return None
             if not _expired(message):
                 return message
@@ -540,7 +540,7 @@ class Broker:
                 queue, lease=settings.visibility_timeout, sync=settings.sync
             )
             if message is None:
-                await self._named(queue, state)
+                await self._named(queue)
                 return None
             if not _expired(message):
                 break
@@ -721,7 +721,7 @@ class Broker:
             if messages is None:
                 continue
             if not messages:
-                await self._named(queue, state)
+                await self._named(queue)
             left = deadline - loop.time()
             if messages or left <= 0 or self.stopping:
                 return messages
