@@ -240,13 +240,22 @@ def stats(daemon: Remote, watch: bool, interval: float, count: int | None) -> No
 
     try:
         if not watch:
-            console.print(_stats_tables(read(), f"mqd at {daemon}"))
+            _print(console, _stats_tables(read(), f"mqd at {daemon}"))
             return
         _watch(console, read, f"mqd at {daemon}", interval, count)
     except KeyboardInterrupt:
         pass
     finally:
         client.close()
+
+
+def _print(console: Any, tables: RenderableType) -> None:
+    """Print `tables`: to a pipe or a file, in lines as long as they need (no
+    terminal's width to fit, and every name and figure whole on its line)."""
+    if not console.is_terminal:
+        unbounded = console.options.update_width(1 << 20)
+        console.width = max(console.width, console.measure(tables, options=unbounded).maximum)
+    console.print(tables)
 
 
 def _watch(console: Any, read: Any, title: str, interval: float, count: int | None) -> None:
@@ -264,13 +273,18 @@ def _watch(console: Any, read: Any, title: str, interval: float, count: int | No
         for n in refreshes:
             if n > 1:
                 time.sleep(interval)
-            console.print(frame(n))
+            _print(console, frame(n))
         return
     with Live(console=console, auto_refresh=False) as live:
         for n in refreshes:
             if n > 1:
                 time.sleep(interval)
             live.update(frame(n), refresh=True)
+
+
+#: The least width of the `mqd stats` queue column on a terminal, longer names
+#: folding under it: with the seven figures beside it, 80 columns.
+NAME_WIDTH = 12
 
 
 def _stats_tables(values: dict[str, str], title: str) -> RenderableType:
@@ -288,11 +302,15 @@ def _stats_tables(values: dict[str, str], title: str) -> RenderableType:
             queue, stat = per_queue_stat
             queues.setdefault(queue, {})[stat] = value
     per_queue = Table(title="queues")
-    # Names are data: show them whole, on one line, so they can be copied.
+    # Names are data: shown whole, on one line where the width allows, so they
+    # can be copied (always, to a pipe or a file: _print); on a terminal too
+    # narrow, a name folds onto more lines rather than squeezing out the
+    # figures, which stay whole on theirs.
     longest = max((len(name) for name in queues), default=5)
-    per_queue.add_column("queue", no_wrap=True, min_width=longest)
+    per_queue.add_column("queue", overflow="fold", min_width=min(longest, NAME_WIDTH))
     for name in QUEUE_STATS:
-        per_queue.add_column(name, justify="right")
+        widest = max((len(figures.get(name, "")) for figures in queues.values()), default=1)
+        per_queue.add_column(name, justify="right", overflow="fold", min_width=widest)
     for name in sorted(queues):
         per_queue.add_row(name, *(queues[name].get(f, "") for f in QUEUE_STATS))
     return Group(general, per_queue)

@@ -453,6 +453,12 @@ def load(path: Path | None = None, **overrides: Any) -> Config:
             raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            byte = exc.object[exc.start]
+            raise ConfigError(
+                f"{path}: not valid TOML: byte 0x{byte:02x} at offset {exc.start} "
+                "is not UTF-8 text, which TOML files must be"
+            ) from exc
         fields = parse(data, path)
     for key, value in overrides.items():
         if isinstance(value, Override):

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from mqd.errors import MqdError, ProtocolError, StorageError
-from mqd.protocol import Command, FlushAll, Retrieve, Store
+from mqd.protocol import Command, FlushAll, Retrieve, Store, name_shown
 from mqd.stats import queue_stat
 
 if TYPE_CHECKING:
@@ -142,7 +142,8 @@ def families(pairs: Iterable[tuple[str, object]]) -> Iterator[Metric]:
             metric = per_queue.get(stat) or per_queue.setdefault(
                 stat, family(*spec[:3], labels=["queue"])
             )
-            metric.add_sample(_sample_name(metric), {"queue": queue}, value * spec[3])
+            labels = {"queue": name_shown(queue)}
+            metric.add_sample(_sample_name(metric), labels, value * spec[3])
             continue
         metric_name, kind, doc = GENERAL.get(name, (f"mqd_{name}", "gauge", f"stats {name}"))
         general.append(family(metric_name, kind, doc))

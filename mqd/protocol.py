@@ -67,6 +67,12 @@ def name_text(raw: bytes) -> str:
     return raw.decode("utf-8", "surrogateescape")
 
 
+def name_shown(name: str) -> str:
+    """A queue name as valid UTF-8 text, for what takes nothing else (a metric's
+    label): each of its bytes that are not UTF-8 written as \\xNN."""
+    return name_bytes(name).decode("utf-8", "backslashreplace")
+
+
 # -- commands -----------------------------------------------------------------
 #
 # The two that carry the load, Store and Retrieve, spell out __init__: under

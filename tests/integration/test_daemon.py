@@ -237,6 +237,18 @@ def test_bad_config_names_file_key_value_and_allowed(
         assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_config_that_is_not_utf8_gets_the_same_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'[server]\nlog_level = "d\xe9bug"\n')
+    for command in ("check-config", "serve"):
+        result = mqd(command, "--config", str(path))
+        assert result.returncode != 0
+        assert result.stderr.strip() == (
+            f"Error: {path}: not valid TOML: byte 0xe9 at offset 23 is not UTF-8 text,"
+            " which TOML files must be"
+        )
+
+
 def test_a_config_that_is_a_directory_gets_the_same_one_line(tmp_path: Path) -> None:
     for command in ("check-config", "serve"):
         result = mqd(command, "--config", str(tmp_path))
@@ -357,6 +369,21 @@ def test_stats_command_prints_tables(daemon: Daemon, q: str) -> None:
     row = next(line for line in result.stdout.splitlines() if q in line)
     assert row.split("│")[2].strip() == "1"  # items
     assert mqd("stats", "--port", "1").returncode != 0
+
+
+def test_stats_command_keeps_the_figures_beside_a_name_wider_than_the_table(
+    daemon: Daemon, q: str
+) -> None:
+    long = "n" * 250  # the longest name there is, with COLUMNS=80
+    store(Raw(daemon.address), long, b"abc")
+    for body in (b"a", b"b"):
+        store(Raw(daemon.address), q, body)
+    result = mqd("stats", "--port", str(daemon.port), env={"COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    # To a pipe, each name whole on its line, beside its figures.
+    rows = [line.split("│") for line in result.stdout.splitlines() if line.count("│") > 2]
+    items = {cells[1].strip(): cells[2].strip() for cells in rows}
+    assert (items[long], items[q]) == ("1", "2")
 
 
 def test_client_commands_say_why_a_port_gave_no_reply() -> None:

@@ -132,6 +132,20 @@ def test_counters_follow_the_daemon_between_scrapes(metered: Metered) -> None:
     client.close()
 
 
+def test_a_queue_name_that_is_not_utf8_is_labelled_with_its_bytes_escaped(
+    metered: Metered,
+) -> None:
+    # Labels are UTF-8 text; such a name (protocol.md allows it) shows its
+    # other bytes as \\xNN, and the other queues' samples go on as ever.
+    client = Client(metered.address, timeout=5)
+    client.set(b"caf\xe9", b"x")
+    client.set("mail", b"hello")
+    got = samples(scrape(metered))
+    assert got[("mqd_queue_items", (("queue", "caf\\xe9"),))] == 1
+    assert got[("mqd_queue_items", (("queue", "mail"),))] == 1
+    client.close()
+
+
 def test_only_metrics_path_is_served(metered: Metered) -> None:
     with pytest.raises(urllib.error.HTTPError) as error:
         scrape(metered, "/")
