@@ -734,13 +734,21 @@ class Broker:
         if visibility and visibility != lease.timeout:
             lease.timeout = visibility
             lease.renewed = -math.inf  # what it holds gets the new deadline now
+        # Whether or not the reserve failed part way, what the lease holds is
+        # renewed, or it ends holding nothing; then the failure is raised. Not
+        # a `finally` that awaits: compiled, such a block raised a failure
+        # of an earlier call again, after a later call's reserve had worked.
+        failure: Exception | None = None
         try:
             await self._reserve_into(state, lease, count)
-        finally:
-            if lease.held:
-                await self._renew(state, lease)
-            else:
-                self._end(state, lease)
+        except Exception as exc:
+            failure = exc
+        if lease.held:
+            await self._renew(state, lease)
+        else:
+            self._end(state, lease)
+        if failure is not None:
+            raise failure
         return [message for message, _ in islice(lease.held.values(), count)]
 
     async def _reserve_into(self, state: QueueState, lease: NamedLease, count: int) -> None:

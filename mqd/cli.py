@@ -14,7 +14,7 @@ from click.core import ParameterSource
 from mqd import __version__
 from mqd import backend as backends
 from mqd import config as configuration
-from mqd.errors import MqdError
+from mqd.errors import ConfigError, MqdError
 from mqd.protocol import QUEUE_STATS, name_bytes, queue_name
 from mqd.reach import Remote, daemon_options, host_port, reason
 from mqd.stats import queue_stat
@@ -139,6 +139,13 @@ def serve(ctx: click.Context, /, config_path: Path | None, **flags: str | None) 
     storage = _backend(cfg)
     try:
         server.run(cfg, storage, reload=lambda: configuration.load(config_path, **overrides))
+    except ConfigError as error:
+        # The backend finds some settings wrong only once it reaches its
+        # store (an Aerospike namespace the cluster lacks): name the file too.
+        text = str(error)
+        if cfg.path is not None and not text.startswith(f"{cfg.path}:"):
+            text = f"{cfg.path}: {text}"
+        raise click.ClickException(text) from None
     except MqdError as error:
         raise click.ClickException(str(error)) from None
     except OSError as error:

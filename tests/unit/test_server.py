@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +196,48 @@ def test_storage_errors_are_logged_naming_the_data_dir(caplog: pytest.LogCapture
 
 def talk(chunks: list[bytes], **kwargs: Any) -> bytes:
     return asyncio.run(converse(chunks, **kwargs))
+
+
+class ReserveFailsOnce(MemoryBackend):
+    """A memory backend whose first reserve fails, as a store gone for a moment does,
+    and whose lease renewals wait a turn, as a store's round trip does."""
+
+    name = "reserve-fails-once"
+
+    def __init__(self, options: StorageOptions) -> None:
+        super().__init__(options)
+        self.failed = False
+
+    async def reserve_many(self, queue: str, count: int, **options: Any) -> list[Message]:
+        if not self.failed:
+            self.failed = True
+            raise StorageError("cluster unavailable")
+        return await super().reserve_many(queue, count, **options)
+
+    async def extend_many(
+        self, receipts: Sequence[Receipt], *, lease: float, sync: Sync
+    ) -> list[bool]:
+        await asyncio.sleep(0)
+        return await super().extend_many(receipts, lease=lease, sync=sync)
+
+
+def test_a_lease_that_failed_leaves_the_next_leases_working() -> None:
+    # Compiled, a `finally` that awaited raised the failure of an earlier lease
+    # again, after a later lease had reserved its message.
+    reply = talk(
+        [
+            b"set a 0 0 1\r\nx\r\nset b 0 0 1\r\ny\r\n",
+            b"gets a/lease=A/n=1\r\n",
+            b"gets b/lease=B/n=1\r\n",
+            b"gets a/lease=C/n=1\r\n",
+        ],
+        backend=ReserveFailsOnce(StorageOptions()),
+    )
+    assert reply == (
+        b"STORED\r\nSTORED\r\nSERVER_ERROR cluster unavailable\r\n"
+        b"VALUE b/lease=B/n=1 0 1 0\r\ny\r\nEND\r\n"
+        b"VALUE a/lease=C/n=1 0 1 0\r\nx\r\nEND\r\n"
+    )
 
 
 def test_missing_capability_is_a_clear_error() -> None:

@@ -14,7 +14,7 @@ from aerospike_helpers.operations import operations as op
 from mqd.backend import Message, Put, Receipt
 from mqd.errors import StorageError
 from mqd.protocol import name_bytes, name_text
-from mqd_aerospike.connection import KEY_ORDERED, fence_ok, reason
+from mqd_aerospike.connection import KEY_ORDERED, OPEN_ENTRY_BYTES, fence_ok, reason
 from mqd_aerospike.ops import (
     DeleteOp,
     FinishMoveOp,
@@ -50,6 +50,7 @@ class Apply:
         self.wanted: set[int] = set()
         self.puts: dict[PutOp, int] = {}  # each stored put's offset
         self.keys: dict[bytes, int] = {}  # buffer record's user key -> its index
+        self.opening = 0  # reserves this cycle that will open a message (open_full)
 
     def entry(self, offset: int) -> list[Any] | None:
         if offset not in self.entries:
@@ -65,10 +66,15 @@ class Apply:
         if isinstance(o, PutOp):
             self.results[id(o)] = self.put(o)
         elif isinstance(o, TakeOp | ReserveOp):
+            if isinstance(o, ReserveOp) and self.open_full(o.owner):
+                self.results[id(o)] = None  # as if none waited: Connection.open_room
+                return
             taken = meta.pop_oldest()
             if taken is None:
                 self.results[id(o)] = None
                 return
+            if isinstance(o, ReserveOp):
+                self.opening += 1
             offset, deliveries, size = taken
             self.wanted.add(offset)
             self.later.append(lambda: self.dequeued(o, offset, deliveries, size))
@@ -121,6 +127,12 @@ class Apply:
             meta.tags[o.tag] = self.now_ms
         meta.last_put = self.now_ms
         return Put.STORED
+
+    def open_full(self, owner: str) -> bool:
+        """Whether one more open message of `owner` would fill the shard's record too far."""
+        meta = self.meta
+        count = len(meta.open) + len(meta.mv) + self.opening + 1
+        return count * (OPEN_ENTRY_BYTES + len(owner)) > self.store.open_room
 
     def dequeued(self, o: Op, offset: int, deliveries: int, size: int) -> None:
         meta = self.meta

@@ -285,10 +285,14 @@ class Store(Connection):
             )
 
     def _records(self, meta: Meta, low: int, high: int) -> list[Any]:
-        """Keys of the buffer records holding offsets low..high-1."""
-        if high <= low:
-            return []
-        return [self.buf_key(meta, i) for i in range(low // meta.per, (high - 1) // meta.per + 1)]
+        """Keys of the buffer records holding offsets low..high-1, and the record
+        `low` is in even when that range is empty: with `low` inside it, it
+        holds the entries before `low`, taken but not yet collected (_collect
+        removes a record only once the head has left it)."""
+        per = meta.per
+        first = low // per
+        last = max((high + per - 1) // per, first + (1 if low % per else 0))
+        return [self.buf_key(meta, i) for i in range(first, last)]
 
     def _collect(self, meta: Meta, old_head: int) -> None:
         """Remove buffer records the head has left behind."""

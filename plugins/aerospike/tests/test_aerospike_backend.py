@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Coroutine
 from pathlib import Path
@@ -12,11 +14,13 @@ from typing import Any
 
 import pytest
 from mqd_aerospike.backend import AerospikeBackend
+from mqd_aerospike.connection import OPEN_ENTRY_BYTES
 from mqd_aerospike.server import Node
 
 from mqd.backend import NO_LIMITS, Message, Put, Sync
 from mqd.errors import ConfigError, StorageError
 from mqd.testing.conformance import run_with
+from mqd.testing.ports import free_port
 
 from .conftest import make
 
@@ -47,6 +51,26 @@ def test_unknown_namespace_is_a_config_error(aerospike_host: str, tmp_path: Path
         run_with(backend, lambda b: asyncio.sleep(0))
 
 
+def test_a_daemon_names_the_file_of_an_unknown_namespace(
+    aerospike_node: Node, tmp_path: Path
+) -> None:
+    path = tmp_path / "mqd.toml"
+    table = aerospike_node.storage_table("ns") + 'namespace = "nope"\n'
+    path.write_text('[storage]\nbackend = "aerospike"\n' + table)
+    serve = ["serve", "--config", str(path), "--port", str(free_port())]
+    result = subprocess.run(
+        [sys.executable, "-m", "mqd", *serve, "--data-dir", str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == (
+        f"Error: {path}: storage.aerospike.namespace = 'nope': no such namespace on the"
+        " cluster (it has: test)"
+    )
+
+
 def test_message_that_can_never_fit_is_refused(aerospike_host: str, tmp_path: Path) -> None:
     async def body(b: AerospikeBackend) -> None:
         with pytest.raises(StorageError, match=r"^object too large for cache$"):
@@ -70,8 +94,32 @@ def test_queue_grows_past_many_records_without_copying(aerospike_host: str, tmp_
         got = await drain(b, "q")
         assert [int(m.body.rstrip(b".")) for m in got] == list(range(40))
         assert await b._blocking(count_records, b) == 1  # only the tail's record is left
+        # Its delete removes that record too, holding only taken entries as it does.
+        assert await b.delete("q", sync=ALWAYS)
+        assert await b._blocking(count_records, b) == 0
 
     run_with(make(aerospike_host, tmp_path, max_item_size=300_000), body)
+
+
+def test_a_shard_opens_no_more_than_its_record_holds(aerospike_host: str, tmp_path: Path) -> None:
+    """Past its room for open messages a reserve finds none, and sets and acks go on."""
+
+    async def body(b: AerospikeBackend) -> None:
+        store = b._store
+        assert store.open_room == (1 << 20) // 2  # the test node's record limit, halved
+        store.open_room = 5 * (OPEN_ENTRY_BYTES + len(b.owner))  # room for five
+        await fill(b, "q", 8)
+        opened = await b.reserve_many("q", 8, lease=60, sync=ALWAYS)
+        assert [m.body for m in opened] == [b"0", b"1", b"2", b"3", b"4"]
+        assert await b.reserve("q", lease=60, sync=ALWAYS) is None
+        assert await b.put("q", Message(b"8"), sync=ALWAYS) is Put.STORED
+        receipt = opened[0].receipt
+        assert receipt is not None and await b.ack(receipt, sync=ALWAYS)
+        again = await b.reserve("q", lease=60, sync=ALWAYS)
+        assert again is not None and again.body == b"5"
+        assert [m.body for m in await drain(b, "q")] == [b"6", b"7", b"8"]
+
+    run_with(make(aerospike_host, tmp_path), body)
 
 
 def count_records(b: AerospikeBackend) -> int:
@@ -250,6 +298,45 @@ def test_frozen_server_gives_server_error_and_recovery(
     timeouts: dict[str, Any] = {"total_timeout_ms": 500, "socket_timeout_ms": 250}
     short = make(aerospike_node.host, tmp_path, lock_lease_ms=200, **timeouts)
     run_with(short, body)
+
+
+def test_a_frozen_server_is_an_error_for_a_queue_this_daemon_never_read(
+    aerospike_node: Node, tmp_path: Path
+) -> None:
+    """Not an empty or missing queue: another daemon's messages are there all along."""
+    pid = aerospike_node.pid
+    if pid is None:
+        pytest.skip("the server was not started here: cannot freeze it")
+    timeouts: dict[str, Any] = {"total_timeout_ms": 500, "socket_timeout_ms": 250}
+
+    async def body(b: AerospikeBackend) -> None:
+        await fill(b, "theirs", 2)
+        other = make(aerospike_node.host, tmp_path / "other", owner="other", **timeouts)
+        await other.open()
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                await stopped(pid)
+                unreachable = r"^aerospike (timeout|cluster unavailable)"
+                with pytest.raises(StorageError, match=unreachable):
+                    await other.take("theirs", sync=ALWAYS)
+                with pytest.raises(StorageError, match=unreachable):
+                    await other.delete("theirs", sync=ALWAYS)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+        finally:
+            await other.close()
+        deadline = time.monotonic() + 20
+        while True:  # the client finds the node again by itself
+            try:
+                got = await drain(b, "theirs")
+                break
+            except StorageError:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+        assert [m.body for m in got] == [b"0", b"1"]
+
+    run_with(make(aerospike_node.host, tmp_path, lock_lease_ms=200, **timeouts), body)
 
 
 def test_sets_on_one_daemon_wake_gets_on_another_within_the_poll_interval(

@@ -239,13 +239,18 @@ class Worker:
         """Finish every job submitted so far, close the store, end the thread."""
         done: asyncio.Future[None] = self.loop.create_future()
         self.inbox.put([(STOP, "", None, None, done)])
+        # Not a `finally` that awaits (see Broker._lease_into).
+        failure: BaseException | None = None
         try:
             await done
-        finally:
-            await asyncio.to_thread(self.thread.join)
-            if self._aio is not None:
-                self._aio.close()  # after answering the sync in flight
-                self._aio = None
+        except BaseException as exc:
+            failure = exc
+        await asyncio.to_thread(self.thread.join)
+        if self._aio is not None:
+            self._aio.close()  # after answering the sync in flight
+            self._aio = None
+        if failure is not None:
+            raise failure
 
     def submit(self, bundle: list[jobs.Job]) -> None:
         """Run jobs, in order: in this turn's round if they are quick, else on the thread.
