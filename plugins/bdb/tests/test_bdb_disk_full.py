@@ -44,6 +44,15 @@ def data_bytes(data_dir: Path) -> int:
     return total
 
 
+def listing(data_dir: Path) -> str:
+    """Each file of the data directory with the bytes it holds: what a failure kept."""
+    held = []
+    for path in sorted(data_dir.iterdir()):
+        with contextlib.suppress(FileNotFoundError):
+            held.append(f"{path.name} {path.stat().st_blocks * 512}")
+    return ", ".join(held)
+
+
 def fill(client: Client, queue: str, ids: itertools.count[int]) -> tuple[int, str]:
     """Set unique bodies until refused; (how many were STORED, the refusal)."""
     for stored in range(100_000):
@@ -87,7 +96,7 @@ def test_full_disk_still_serves_gets_deletes_and_restarts(name: str, tmp_path: P
                 client.get("q")  # each command gives the worker a turn to look
                 time.sleep(0.1)
             assert (daemon.data_dir / "reserve").exists()
-            assert data_bytes(daemon.data_dir) < 4 << 20
+            assert data_bytes(daemon.data_dir) < 4 << 20, listing(daemon.data_dir)
             client.set("q", b"after", noreply=False)
             # Another writer fills the disk, then a crash: the restart recovers,
             # and gets run in the reserve's room.
