@@ -118,6 +118,7 @@ class Connection(asyncio.Protocol):
         self._held_later: list[tuple[Pending, int]] = []
         self._unheld: asyncio.Future[None] | None = None  # set once nothing is held
         self._closing = False  # closed, the held replies still to send
+        self._eof = False  # the client half-closed: close once all it sent is answered
 
     # -- asyncio.Protocol ----------------------------------------------------
 
@@ -213,6 +214,20 @@ class Connection(asyncio.Protocol):
         """Whether replies wait for the client to read them."""
         return self._writable is not None
 
+    def eof_received(self) -> bool:
+        """The client sent all it will (it half-closed): answer all of it, then close.
+
+        As memcached does. Returning False would have the transport close at
+        once, dropping the replies still held for their sync, and with them
+        the messages their gets took.
+        """
+        if self.closed:
+            return False
+        self._eof = True
+        if self.task is None and not self.pending:
+            self.close()  # after the held replies, if any (_released)
+        return True
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if not self.admitted:
@@ -307,6 +322,8 @@ class Connection(asyncio.Protocol):
                         self.flush()
             self.flush()
             self.pending_bytes = 0
+            if self._eof and not pending:
+                self.close()  # all the client sent is answered (eof_received)
             if self._reading_paused and not self.closed:
                 assert self.transport is not None
                 self.transport.resume_reading()

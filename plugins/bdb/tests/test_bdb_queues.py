@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -107,6 +108,36 @@ def test_the_commands_behind_a_pipelined_set_see_the_queue_it_made(
             assert f"STAT {line}\r\n" in reply, reply
         conn.send(b"set made5 0 0 1\r\nd\r\nstats\r\n")
         assert "STAT curr_items 3\r\n" in conn.read_until(b"END\r\n").decode()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_client_that_half_closes_hears_every_reply(name: str, tmp_path: Path) -> None:
+    """A pipeline sent, then the client's end of file: every command is answered
+    (its replies held for their sync as ever), and then the connection closes."""
+
+    def half_closed(address: tuple[str, int], request: bytes) -> bytes:
+        with socket.create_connection(address, timeout=10) as s:
+            s.sendall(request)
+            s.shutdown(socket.SHUT_WR)
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+            return got
+
+    with Daemon(tmp_path, backend=name) as daemon:
+        Raw(daemon.address).call(b"set hx 0 0 1\r\nX\r\n", b"STORED\r\n")
+        request = b"set hx 0 0 1\r\nA\r\nget hx\r\n"
+        assert half_closed(daemon.address, request) == b"STORED\r\nVALUE hx 0 1\r\nX\r\nEND\r\n"
+        # An open message is handed out, then back in the queue as its client is gone.
+        request = b"get hx/open\r\n"
+        assert half_closed(daemon.address, request) == b"VALUE hx/open 0 1\r\nA\r\nEND\r\n"
+        conn = Raw(daemon.address)
+        for _ in range(100):  # returned within a turn or two of the close
+            conn.send(b"get hx/peek\r\n")
+            if conn.read_until(b"END\r\n") == b"VALUE hx/peek 0 1\r\nA\r\nEND\r\n":
+                break
+            time.sleep(0.01)
+        conn.call(b"get hx\r\n", b"VALUE hx 0 1\r\nA\r\nEND\r\n")
 
 
 def _resp(*args: bytes) -> bytes:
