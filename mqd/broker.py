@@ -393,16 +393,26 @@ class Broker:
         return min((key.wait_ms or 0) / 1000, self.config.max_wait)
 
     def _check_keys(self, keys: list[Key], session: Session) -> None:
-        opening: set[str] = set()
+        """Refuse, before any key runs, a command that would open a second message.
+
+        Keys run in order: one that closes or gives back a queue's open message
+        (`/close`, `/abort`) lets a later key of the same command open again.
+        """
+        opening: set[str] = set()  # queues a key before opens
+        ended: set[str] = set()  # queues whose open message a key before ends
         for key in keys:
             if key.at is not None and Capability.OFFSET not in self.backend.capabilities:
                 raise NotSupported("at", self.backend.name)
+            queue = key.queue
             if key.open:
                 # /close/open acknowledges first, so only a bare /open clashes.
-                held = key.queue in session.open and not key.close
-                if held or key.queue in opening:
+                held = queue in session.open and not key.close and queue not in ended
+                if held or queue in opening:
                     raise ClientError("transaction already open")
-                opening.add(key.queue)
+                opening.add(queue)
+            elif key.close or key.abort:
+                opening.discard(queue)
+                ended.add(queue)
 
     async def _pass(
         self,

@@ -105,6 +105,29 @@ def test_delivery_count_survives_timeouts(daemon: Daemon, q: str) -> None:
     conn.call(b"get %b\r\n" % dead.encode(), value(dead, b"slow") + b"END\r\n")
 
 
+def test_a_key_that_ends_the_open_message_lets_a_later_key_open(daemon: Daemon, q: str) -> None:
+    # "For each key in order": a /close or /abort before an /open of one command.
+    conn = connect(daemon)
+    for body in (b"m1", b"m2", b"m3"):
+        store(conn, q, body)
+    conn.call(b"get %b/open\r\n" % q.encode(), value(q + "/open", b"m1") + b"END\r\n")
+    conn.call(
+        b"get %b/close %b/open\r\n" % (q.encode(), q.encode()),
+        value(q + "/open", b"m2") + b"END\r\n",
+    )
+    conn.call(
+        b"get %b/abort %b/open\r\n" % (q.encode(), q.encode()),
+        value(q + "/open", b"m2") + b"END\r\n",
+    )
+    # An /open before the key that would end it still clashes, and runs nothing.
+    conn.call(
+        b"get %b/open %b/close\r\n" % (q.encode(), q.encode()),
+        b"CLIENT_ERROR transaction already open\r\n",
+    )
+    conn.call(b"get %b/close\r\n" % q.encode(), b"END\r\n")
+    conn.call(b"get %b\r\n" % q.encode(), value(q, b"m3") + b"END\r\n")
+
+
 def test_one_open_message_per_queue_per_connection(daemon: Daemon, q: str) -> None:
     conn = connect(daemon)
     a, b = q + "a", q + "b"
