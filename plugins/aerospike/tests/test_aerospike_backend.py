@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from mqd_aerospike.backend import AerospikeBackend
@@ -25,6 +26,7 @@ from mqd.testing.ports import free_port
 from .conftest import make
 
 ALWAYS = Sync.ALWAYS
+T = TypeVar("T")
 
 
 async def fill(b: AerospikeBackend, queue: str, count: int, size: int = 0) -> None:
@@ -263,40 +265,60 @@ async def stopped(pid: int) -> None:
         await asyncio.sleep(0.01)
 
 
+#: Client timeouts short enough that a frozen node is an error within a test.
+SHORT_TIMEOUTS: dict[str, Any] = {"total_timeout_ms": 500, "socket_timeout_ms": 250}
+UNREACHABLE = r"^aerospike (timeout|cluster unavailable)"
+
+
+def freezable(node: Node) -> int:
+    """The node's process id (the test is skipped for a node not started here)."""
+    if node.pid is None:
+        pytest.skip("the server was not started here: cannot freeze it")
+    return node.pid
+
+
+@contextlib.asynccontextmanager
+async def frozen(pid: int) -> AsyncIterator[None]:
+    """The node stopped (SIGSTOP, every thread) for the body, resumed after it."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await stopped(pid)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+async def once_back(call: Callable[[], Awaitable[T]]) -> T:
+    """`call()`'s result once the client has found the resumed node again by itself."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            return await call()
+        except StorageError:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+
+
 def test_frozen_server_gives_server_error_and_recovery(
     aerospike_node: Node, tmp_path: Path
 ) -> None:
-    pid = aerospike_node.pid
-    if pid is None:
-        pytest.skip("the server was not started here: cannot freeze it")
+    pid = freezable(aerospike_node)
 
     async def body(b: AerospikeBackend) -> None:
         await fill(b, "q", 1)
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            await stopped(pid)
+        async with frozen(pid):
             started = time.monotonic()
-            with pytest.raises(StorageError, match=r"^aerospike (timeout|cluster unavailable)"):
+            with pytest.raises(StorageError, match=UNREACHABLE):
                 await b.put("q", Message(b"lost?"), sync=ALWAYS)
             assert time.monotonic() - started < 5
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        deadline = time.monotonic() + 20
-        while True:  # the client finds the node again by itself
-            try:
-                stored = await b.put("q", Message(b"after"), sync=ALWAYS)
-                break
-            except StorageError:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.2)
+        stored = await once_back(lambda: b.put("q", Message(b"after"), sync=ALWAYS))
         assert stored is Put.STORED
         bodies = [m.body for m in await drain(b, "q")]
         # Acknowledged messages are all there; the refused one may be too (at least once).
         assert bodies[0] == b"0" and bodies[-1] == b"after"
         assert set(bodies) <= {b"0", b"lost?", b"after"}
 
-    timeouts: dict[str, Any] = {"total_timeout_ms": 500, "socket_timeout_ms": 250}
-    short = make(aerospike_node.host, tmp_path, lock_lease_ms=200, **timeouts)
+    short = make(aerospike_node.host, tmp_path, lock_lease_ms=200, **SHORT_TIMEOUTS)
     run_with(short, body)
 
 
@@ -304,39 +326,25 @@ def test_a_frozen_server_is_an_error_for_a_queue_this_daemon_never_read(
     aerospike_node: Node, tmp_path: Path
 ) -> None:
     """Not an empty or missing queue: another daemon's messages are there all along."""
-    pid = aerospike_node.pid
-    if pid is None:
-        pytest.skip("the server was not started here: cannot freeze it")
-    timeouts: dict[str, Any] = {"total_timeout_ms": 500, "socket_timeout_ms": 250}
+    pid = freezable(aerospike_node)
 
     async def body(b: AerospikeBackend) -> None:
         await fill(b, "theirs", 2)
-        other = make(aerospike_node.host, tmp_path / "other", owner="other", **timeouts)
+        other = make(aerospike_node.host, tmp_path / "other", owner="other", **SHORT_TIMEOUTS)
         await other.open()
         try:
-            os.kill(pid, signal.SIGSTOP)
-            try:
-                await stopped(pid)
-                unreachable = r"^aerospike (timeout|cluster unavailable)"
-                with pytest.raises(StorageError, match=unreachable):
+            async with frozen(pid):
+                with pytest.raises(StorageError, match=UNREACHABLE):
                     await other.take("theirs", sync=ALWAYS)
-                with pytest.raises(StorageError, match=unreachable):
+                with pytest.raises(StorageError, match=UNREACHABLE):
                     await other.delete("theirs", sync=ALWAYS)
-            finally:
-                os.kill(pid, signal.SIGCONT)
         finally:
             await other.close()
-        deadline = time.monotonic() + 20
-        while True:  # the client finds the node again by itself
-            try:
-                got = await drain(b, "theirs")
-                break
-            except StorageError:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.2)
+        got = await once_back(lambda: drain(b, "theirs"))
         assert [m.body for m in got] == [b"0", b"1"]
 
-    run_with(make(aerospike_node.host, tmp_path, lock_lease_ms=200, **timeouts), body)
+    short = make(aerospike_node.host, tmp_path, lock_lease_ms=200, **SHORT_TIMEOUTS)
+    run_with(short, body)
 
 
 def test_sets_on_one_daemon_wake_gets_on_another_within_the_poll_interval(
