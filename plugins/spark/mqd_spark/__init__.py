@@ -15,14 +15,14 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
 # Spark's Python workers run `python3` from PATH unless told otherwise; the data
 # source needs an interpreter that has mqd_spark and pyarrow, as this one does.
 # Set before a session starts (Spark reads it then); an explicit setting wins.
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
-__all__ = ["register", "wait_for_commits"]
+__all__ = ["acknowledge", "register", "wait_for_commits"]
 
 
 def register(spark: SparkSession) -> None:
@@ -72,3 +72,14 @@ def wait_for_commits(spark: SparkSession, timeout_s: float = 60.0) -> None:
     from mqd_spark import drain
 
     drain.wait_for_commits(spark, timeout_s)
+
+
+def acknowledge(df: DataFrame) -> int:
+    """Removes the rows a drain read through `df.rdd`, `foreachPartition` or `toLocalIterator`.
+
+    Those actions run no SQL query, so the listener that removes a drain's
+    rows never hears of them. Returns how many leases held messages.
+    """
+    from mqd_spark import drain
+
+    return drain.acknowledge(df)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv"}
 FLAG_TEXT = 16
+NOT_TEXT = "mqd export: a message body is not UTF-8 text: export with --body-type binary"
 
 
 def _servers(text: str) -> list[Address]:
@@ -109,9 +110,24 @@ def _session(master: str) -> Iterator[SparkSession]:
         raise click.ClickException(str(error)) from None
     try:
         yield spark
+    except click.ClickException:
+        raise
+    except Exception as error:
+        raise click.ClickException(_cause(error)) from None
     finally:
         if not running:
             spark.stop()
+
+
+def _cause(error: Exception) -> str:
+    """One line for a failed Spark job: the last line that mqd wrote, else the first.
+
+    Spark's errors carry the Java and Python stacks of every task; the line
+    that says what went wrong is ours, or Spark's first.
+    """
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    ours = [line for line in lines if "mqd" in line]
+    return ours[-1] if ours else lines[0] if lines else type(error).__name__
 
 
 def _input_format(source: Path, fmt: str) -> str:
@@ -282,11 +298,18 @@ def _export(
     done: Callable[[], int],
     total: int,
 ) -> tuple[int, float]:
+    from pyspark.sql import functions as F
+
     import mqd_spark
 
     df = spark.read.format("mqd").options(**source).load()
     if as_text:
-        df = df.withColumn("body", df["body"].cast("string"))
+        # Spark would write a body that is not UTF-8 with U+FFFD in place of
+        # its bytes; the export fails instead (a drain then removes nothing).
+        text = df["body"].cast("string")
+        df = df.withColumn(
+            "body", F.when(F.is_valid_utf8(text), text).otherwise(F.raise_error(NOT_TEXT))
+        )
     started = time.monotonic()
     with _progress("export", done, total):
         writer = df.write.mode("errorifexists")

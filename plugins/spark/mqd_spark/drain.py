@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 
 from mqd_spark import leases
 from mqd_spark.leases import LeasePartition
@@ -27,7 +27,7 @@ LISTENER = "org.apache.spark.sql.util.QueryExecutionListener"
 # Above a drain scan these keep only some of the rows the tasks read: the
 # others would be removed without ever reaching the caller, so such a query
 # gives every row back (the `limit` option bounds a drain instead).
-PARTIAL = ("Limit", "TakeOrdered", "Sample")
+PARTIAL = ("Limit", "TakeOrdered", "Sample", "Tail")
 
 _committers: dict[int, DrainCommitter] = {}
 
@@ -40,44 +40,66 @@ class DrainCommitter:
         self.committed: deque[tuple[str, int]] = deque(maxlen=1000)
 
     def onSuccess(self, funcName: str, qe: Any, durationNs: int) -> None:
-        self._settle(qe, succeeded=True)
+        # `tail()` takes its rows from the end of the plan's output by a call,
+        # not through a node of the plan: only its action's name tells.
+        self._settle(qe, succeeded=True, partial="tail" in funcName.lower())
 
     def onFailure(self, funcName: str, qe: Any, exception: Any) -> None:
         self._settle(qe, succeeded=False)
 
-    def _settle(self, qe: Any, *, succeeded: bool) -> None:
+    def _settle(self, qe: Any, *, succeeded: bool, partial: bool = False) -> None:
         try:
-            self.settle(qe.executedPlan(), succeeded=succeeded)
+            self.settle(qe.executedPlan(), succeeded=succeeded, partial=partial)
         except Exception:  # a failure here must not stop Spark's listener thread
             log.exception(
                 "mqd drain: settling the leases failed; their messages go back to their "
                 "queues when the visibility timeout passes"
             )
 
-    def settle(self, plan: Any, *, succeeded: bool) -> None:
-        partitions: list[LeasePartition] = []
-        partial = False
-        for node in _nodes(plan):
-            name = node.getClass().getSimpleName()
-            partial = partial or any(word in name for word in PARTIAL)
-            if name == "BatchScanExec":
-                partitions += _lease_partitions(node)
-        if not partitions:
-            return
-        if partial and succeeded:
-            log.warning("mqd drain: the query keeps only some rows read; they go back")
-        ack = succeeded and not partial
-        settled = leases.settle(partitions, ack=ack)
-        if ack:
-            for queue in sorted({p.queue for p in partitions}):
-                self.committed.append((queue, settled))
+    def settle(self, plan: Any, *, succeeded: bool, partial: bool = False) -> None:
+        queues, settled = settle(plan, succeeded=succeeded, partial=partial)
+        self.committed.extend((queue, settled) for queue in queues)
 
     class Java:
         implements = [LISTENER]
 
 
+def settle(plan: Any, *, succeeded: bool, partial: bool = False) -> tuple[list[str], int]:
+    """Settles the leases of the drain scans in a physical plan.
+
+    Acknowledged when the query succeeded and kept every row it read (neither
+    `partial` nor a node of PARTIAL in the plan), given back otherwise. The
+    queues acknowledged, and how many leases held messages.
+    """
+    partitions: list[LeasePartition] = []
+    for node in _nodes(plan):
+        name = node.getClass().getSimpleName()
+        partial = partial or any(word in name for word in PARTIAL)
+        if name == "BatchScanExec":
+            partitions += _lease_partitions(node)
+    if not partitions:
+        return [], 0
+    if partial and succeeded:
+        log.warning("mqd drain: the query keeps only some rows read; they go back")
+    ack = succeeded and not partial
+    settled = leases.settle(partitions, ack=ack)
+    return (sorted({p.queue for p in partitions}) if ack else []), settled
+
+
+def acknowledge(df: DataFrame) -> int:
+    """Removes the rows a drain DataFrame read through an action Spark does not report.
+
+    `df.rdd` and its actions, `foreach`, `foreachPartition` and `toLocalIterator`
+    run no SQL query, so no listener hears of them: their rows stay leased until
+    `lease_timeout`. Call this once such an action has succeeded; it returns
+    how many leases held messages.
+    """
+    _, settled = settle(df._jdf.queryExecution().executedPlan(), succeeded=True)
+    return settled
+
+
 def _nodes(plan: Any) -> Iterator[Any]:
-    """Every node of a physical plan, also inside adaptive plans and query stages."""
+    """Every node of a physical plan, also inside adaptive plans, query stages and caches."""
     stack = [plan]
     while stack:
         node = stack.pop()
@@ -87,6 +109,10 @@ def _nodes(plan: Any) -> Iterator[Any]:
             continue
         if name.endswith("QueryStageExec"):
             stack.append(node.plan())
+            continue
+        if name == "InMemoryTableScanExec":
+            # A cached DataFrame: the action that fills the cache ran its scans.
+            stack.append(node.relation().cachedPlan())
             continue
         yield node
         children = node.children().iterator()

@@ -49,12 +49,16 @@ def new_base() -> str:
 def plan(
     server: Address, queue: str, base: str, count: int, rows_per_part: int, hold_s: int
 ) -> list[LeasePartition]:
-    """`count` messages of `queue` as partitions of about `rows_per_part`, LEASE_ROWS a lease."""
+    """`count` messages of `queue` as partitions of about `rows_per_part`.
+
+    A lease holds up to LEASE_ROWS messages, and fewer when a partition is to
+    hold fewer, so that `partitions` cuts a small drain too.
+    """
+    size = max(1, min(LEASE_ROWS, rows_per_part))
     names = [
-        (f"{base}-{i}", min(LEASE_ROWS, count - start))
-        for i, start in enumerate(range(0, count, LEASE_ROWS))
+        (f"{base}-{i}", min(size, count - start)) for i, start in enumerate(range(0, count, size))
     ]
-    per_part = max(1, -(-rows_per_part // LEASE_ROWS))
+    per_part = max(1, -(-rows_per_part // size))
     return [
         LeasePartition(server, queue, names[i : i + per_part], hold_s)
         for i in range(0, len(names), per_part)

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import fnmatch
+import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mqd_spark.wire import Address, Connection, parse_servers
+from mqd_spark.wire import (
+    MAX_FLAGS,
+    MAX_QUEUE_BYTES,
+    QUEUE_BREAKERS,
+    Address,
+    Connection,
+    WireError,
+    parse_servers,
+)
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SERVERS = "127.0.0.1:22133"
 MODES = ("peek", "drain")
@@ -58,10 +70,10 @@ def parse(options: Mapping[str, str], *, need_queue: bool = True) -> Options:
             "mqd option queue is missing: name a queue, several (a,b) or a glob (jobs.*)"
         )
     for name in queues:
-        if len(name.encode()) > 250 or any(c in name for c in "/+") or not name.isprintable():
+        if len(name.encode()) > MAX_QUEUE_BYTES or re.search(QUEUE_BREAKERS, name) or "+" in name:
             raise OptionError(
-                f"mqd option queue: bad queue name {name!r}: 1-250 bytes, no spaces, control "
-                "characters, '/' or '+'"
+                f"mqd option queue: bad queue name {name!r}: 1-{MAX_QUEUE_BYTES} bytes, no "
+                "spaces, control characters, '/' or '+'"
             )
     mode = opts.get("mode", "peek").lower()
     if mode not in MODES:
@@ -78,7 +90,7 @@ def parse(options: Mapping[str, str], *, need_queue: bool = True) -> Options:
         partitions=_number(opts, "partitions", minimum=1),
         command=command,
         exptime=_number(opts, "exptime", minimum=-(2**31)) or 0,
-        flags=_number(opts, "flags", minimum=0, maximum=2**32 - 1),
+        flags=_number(opts, "flags", minimum=0, maximum=MAX_FLAGS),
         timeout=float(_number(opts, "timeout", minimum=1) or 30),
         lease_timeout=_number(opts, "lease_timeout", minimum=1, maximum=MAX_LEASE_TIMEOUT_S)
         or LEASE_TIMEOUT_S,
@@ -102,27 +114,66 @@ def _number(
 
 
 def _matching(options: Options, stats: Mapping[str, object]) -> list[str]:
-    """The queues `options` name: its plain names, and the queues in `stats` its globs match."""
+    """The queues `options` name: its plain names, and the queues in `stats` its globs match.
+
+    A glob passes over a queue whose name is not UTF-8 (the protocol allows
+    one): the `queue` column is a string, so its rows could not be given.
+    """
     names = {q for q in options.queues if not GLOB_CHARS & set(q)}
     globs = [q for q in options.queues if GLOB_CHARS & set(q)]
-    names |= {q for q in stats if any(fnmatch.fnmatchcase(q, g) for g in globs)}
+    for queue in stats:
+        if any(fnmatch.fnmatchcase(queue, g) for g in globs):
+            if _is_utf8(queue):
+                names.add(queue)
+            else:
+                log.warning("mqd: queue %a is passed over: its name is not UTF-8", queue)
     return sorted(names)
+
+
+def _is_utf8(name: str) -> bool:
+    """False for a name decoded with surrogateescape from bytes that are not UTF-8."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _waiting(counts: Mapping[str, int]) -> int:
+    return counts.get("items", 0) - counts.get("open", 0)
 
 
 def survey(options: Options, conn: Connection) -> list[tuple[str, int, int]]:
     """(queue, head id, last id) of each matching queue with messages on one server, now.
 
-    The last id assumes ids without gaps from the head (head + items - 1). With
-    gaps (expired messages) it is lower than the real one: a read then stops
-    early and a later one gets the rest, never a wrong row.
+    The head is the first waiting message, and the last id assumes the waiting
+    messages' ids have no gaps from it (head + waiting - 1): never past the
+    real last id, so a range planned now holds only messages there now. With
+    gaps (messages taken from the middle: expired, acknowledged by id, moved
+    to a dead-letter queue) it is lower than the real one, and a read stops
+    that many ids early: a later read gets the rest, never a wrong row.
     """
     stats = conn.queue_stats()
     out = []
     for queue in _matching(options, stats):
         head = conn.head(queue)
         if head is not None:
-            out.append((queue, head, head + stats.get(queue, {}).get("items", 0) - 1))
+            out.append((queue, head, head + _waiting(stats.get(queue, {})) - 1))
     return out
+
+
+def check_range_reads(conn: Connection, found: list[tuple[str, int, int]]) -> None:
+    """OptionError, before any task runs, when the daemon cannot read by id (a peek's way)."""
+    if not found:
+        return
+    queue, head, _ = found[0]
+    try:
+        list(conn.read_ids(queue, head, head))
+    except WireError as error:
+        raise OptionError(
+            f"mqd option mode=peek: {error}: a peek reads by id (gets <q>/at=<id>), which this "
+            "backend does not do; use mode=drain"
+        ) from None
 
 
 def waiting(options: Options, conn: Connection) -> list[tuple[str, int]]:
@@ -130,7 +181,6 @@ def waiting(options: Options, conn: Connection) -> list[tuple[str, int]]:
     stats = conn.queue_stats()
     out = []
     for queue in _matching(options, stats):
-        counts = stats.get(queue, {})
-        if (count := counts.get("items", 0) - counts.get("open", 0)) > 0:
+        if (count := _waiting(stats.get(queue, {}))) > 0:
             out.append((queue, count))
     return out

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mqd_spark.wire import STORE_BATCH, Columns
+from mqd_spark.wire import MAX_FLAGS, MAX_QUEUE_BYTES, QUEUE_BREAKERS, STORE_BATCH, Columns
 
 SCHEMA = pa.schema(
     [("queue", pa.string()), ("id", pa.int64()), ("flags", pa.int64()), ("body", pa.binary())]
@@ -22,8 +22,6 @@ SCHEMA = pa.schema(
 # pymemcache's serializers mark a str body with this flag (FLAG_TEXT) and give
 # str back for it; a string `body` column is written with it unless flags say otherwise.
 FLAG_TEXT = 16
-# Bytes no queue name may hold: they would break the command line apart.
-_BAD_QUEUE = r"[\x00-\x20\x7f/]"
 
 
 def record_batch(queue: str, columns: Columns) -> pa.RecordBatch:
@@ -52,8 +50,9 @@ class CommandSpec:
 def commands(batch: pa.RecordBatch, spec: CommandSpec) -> Iterator[tuple[memoryview, int]]:
     """The batch's rows as blocks of up to STORE_BATCH storage commands, in row order.
 
-    ValueError for a row without a body or a queue, or with a queue name that
-    would break the command line.
+    ValueError for a row without a body or a queue, with a queue name that
+    would break the command line, or with flags the protocol does not take:
+    found before any of the batch is sent, not by the daemon half way.
     """
     columns = {name.lower(): batch.column(i) for i, name in enumerate(batch.schema.names)}
     body = columns["body"]
@@ -69,15 +68,23 @@ def commands(batch: pa.RecordBatch, spec: CommandSpec) -> Iterator[tuple[memoryv
             queue = pc.fill_null(queue, spec.queue)
         elif queue.null_count:
             raise ValueError("mqd write: a row has no queue (null) and no queue option is set")
-        if pc.any(pc.match_substring_regex(queue, _BAD_QUEUE)).as_py():
+        if pc.any(pc.match_substring_regex(queue, QUEUE_BREAKERS)).as_py():
             raise ValueError("mqd write: a queue column value holds a space, control byte or '/'")
-        parts += [queue.cast(pa.binary()), _text(" ")]
+        queue = queue.cast(pa.binary())
+        if not _within(pc.binary_length(queue), 1, MAX_QUEUE_BYTES):
+            raise ValueError(
+                f"mqd write: a queue column value is empty or over {MAX_QUEUE_BYTES} bytes"
+            )
+        parts += [queue, _text(" ")]
     for name, default in (("flags", spec.flags), ("exptime", spec.exptime)):
         column = columns.get(name)
         if column is None:
             parts.append(_text(f"{default} "))
-        else:
-            parts += [pc.fill_null(column, default).cast(pa.string()).cast(pa.binary()), _text(" ")]
+            continue
+        column = pc.fill_null(column, default)
+        if name == "flags" and not _within(column, 0, MAX_FLAGS):
+            raise ValueError(f"mqd write: a flags column value is outside 0 to {MAX_FLAGS}")
+        parts += [column.cast(pa.string()).cast(pa.binary()), _text(" ")]
     parts += [
         pc.binary_length(body).cast(pa.string()).cast(pa.binary()),
         _text("\r\n"),
@@ -88,6 +95,12 @@ def commands(batch: pa.RecordBatch, spec: CommandSpec) -> Iterator[tuple[memoryv
     for start in range(0, len(joined), STORE_BATCH):
         block = joined.slice(start, STORE_BATCH)
         yield _data(block), len(block)
+
+
+def _within(values: pa.Array, low: int, high: int) -> bool:
+    """Whether every value of an integer array lies in low..high (an empty array does)."""
+    bounds = pc.min_max(values).as_py()
+    return bounds["min"] is None or (low <= bounds["min"] and bounds["max"] <= high)
 
 
 def _text(text: str) -> pa.Scalar:

@@ -23,12 +23,17 @@ from pyspark.sql.datasource import (
     InputPartition,
     WriterCommitMessage,
 )
-from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
 from pyspark.sql.types import BinaryType, IntegralType, StringType, StructType
 
 from mqd_spark import leases, rows
 from mqd_spark import options as opts
-from mqd_spark.wire import Address, Connection, address_text, parse_servers
+from mqd_spark.wire import Address, Connection, WireError, address_text, parse_servers
 
 SCHEMA = "queue string, id long, flags long, body binary"
 
@@ -120,7 +125,9 @@ class MqdReader(DataSourceReader):
                             server, queue, base, count, per_part, self.options.lease_timeout
                         )
                     continue
-                for queue, head, last in opts.survey(self.options, conn):
+                found = opts.survey(self.options, conn)
+                opts.check_range_reads(conn, found)
+                for queue, head, last in found:
                     if limit is not None:
                         last = min(last, head + limit - 1)
                     out += split(server, queue, head, last, self.options.partitions)
@@ -155,6 +162,7 @@ class MqdStreamReader(DataSourceStreamReader):
         for server in self.options.servers:
             with closing(Connection(server, self.options.timeout)) as conn:
                 found = opts.survey(self.options, conn)
+                opts.check_range_reads(conn, found)
             for queue, head, last in found:
                 out[_key(server, queue)] = (head, last + 1)
         return out
@@ -203,7 +211,7 @@ LEASE = "lease"
 Offset = dict[str, str | list[int]]
 
 
-class MqdLeaseStreamReader(DataSourceStreamReader):
+class MqdLeaseStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """A drain stream: each micro-batch of a queue is a set of named leases.
 
     Offsets are {"lease": base, "host:port/queue": [batch, messages]}: batch b
@@ -216,10 +224,22 @@ class MqdLeaseStreamReader(DataSourceStreamReader):
     Spark commits batch k only when it plans batch k+1; when no more
     messages are waiting, an empty batch is planned so that the last one's
     messages leave the queue (and its leases do not reach their timeout).
+    Under `trigger(availableNow=True)` the query reads what was waiting when
+    it started (`prepareForTriggerAvailableNow`), and that empty batch comes
+    before it stops too.
     """
 
     def __init__(self, options: opts.Options) -> None:
         self.options = options
+        # Messages per queue a query under availableNow may still read; None: no bound.
+        self.budget: dict[str, int] | None = None
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self.budget = {}
+        for server in self.options.servers:
+            with closing(Connection(server, self.options.timeout)) as conn:
+                for queue, count in opts.waiting(self.options, conn):
+                    self.budget[_key(server, queue)] = count
 
     def initialOffset(self) -> Offset:
         return {LEASE: leases.new_base()}
@@ -236,6 +256,11 @@ class MqdLeaseStreamReader(DataSourceStreamReader):
                 key = _key(server, queue)
                 if isinstance(limit, ReadMaxRows):
                     count = min(count, limit.max_rows)
+                if self.budget is not None:
+                    count = min(count, self.budget.get(key, 0))
+                    if count <= 0:
+                        continue
+                    self.budget[key] -= count
                 end[key] = [_batch(start, key) + 1, count]
         if end == start:  # nothing new: plan an empty batch if the last one held messages
             for key, value in start.items():
@@ -338,6 +363,15 @@ class MqdWriter(DataSourceArrowWriter):
         with closing(Connection(server, self.options.timeout)) as conn:
             result = conn.store_blocks(
                 block for batch in iterator for block in rows.commands(batch, self.spec)
+            )
+        if result.not_stored and self.spec.verb == "set":
+            # A set is refused only by a full queue (overflow = "reject"): the
+            # task fails, so that a drain feeding this write gives its rows back.
+            # For `add`, NOT_STORED is also the answer to a body already queued.
+            raise WireError(
+                f"mqd at {address_text(server)}: {result.not_stored} of "
+                f"{result.stored + result.not_stored} rows were not stored (NOT_STORED): "
+                'the queue is full and its overflow is "reject"'
             )
         return Written(result.stored, result.not_stored)
 

@@ -20,6 +20,12 @@ RANGE_BYTES = 64 << 20
 # stay far below what the daemon holds for a client that is still sending.
 STORE_BATCH = 5_000
 RECV_SIZE = 1 << 18
+# Characters no queue name may hold (a regular expression, also for Arrow's
+# kernels): a space or control byte would break the command line apart, and
+# `/` starts the options after the name.
+QUEUE_BREAKERS = r"[\x00-\x20\x7f/]"
+MAX_QUEUE_BYTES = 250  # memcached's longest key
+MAX_FLAGS = 2**32 - 1  # flags are 32 bits unsigned on the wire
 
 T = TypeVar("T")
 R = TypeVar("R")

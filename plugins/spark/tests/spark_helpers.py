@@ -49,9 +49,15 @@ def mqd(
         yield daemon
 
 
+# On memory_mqd, queues named FULL... hold at most FULL_ITEMS messages and refuse more.
+FULL = "full"
+FULL_ITEMS = 5
+
+
 @pytest.fixture(scope="session")
 def memory_mqd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    with Daemon(tmp_path_factory.mktemp("mqd-extra")) as daemon:
+    config = f'[queues."{FULL}*"]\nmax_items = {FULL_ITEMS}\noverflow = "reject"\n'
+    with Daemon(tmp_path_factory.mktemp("mqd-extra"), config_text=config) as daemon:
         yield daemon
 
 
@@ -71,11 +77,16 @@ def fill(daemon: Daemon, queue: str, bodies: list[bytes]) -> None:
     client.close()
 
 
-def items(daemon: Daemon, queue: str) -> int:
+def items(daemon: Daemon, queue: str, field: str = "items") -> int:
     client = Client(daemon.address)
     stats = client.stats("queues")
     client.close()
-    return int(stats.get(f"queue_{queue}_items".encode(), 0))
+    return int(stats.get(f"queue_{queue}_{field}".encode(), 0))
+
+
+def open_count(daemon: Daemon, queue: str) -> int:
+    """Messages of `queue` open or leased."""
+    return items(daemon, queue, "open")
 
 
 def take_all(daemon: Daemon, queue: str) -> list[bytes]:

@@ -7,12 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mqd_spark
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 from pyspark.sql import SparkSession
-from spark_helpers import fill, items, servers
+from spark_helpers import fill, items, open_count, servers
 
 from mqd import cli
 from mqd.testing.daemon import Daemon
@@ -61,6 +62,21 @@ def test_jsonl_export_peeks_by_default(
     lines = sorted(spark.read.json(str(out)).select("body").collect())
     assert [r.body for r in lines] == ["a", "b"]
     assert items(memory_mqd, q) == 2
+
+
+def test_a_jsonl_drain_of_a_body_that_is_not_text_fails_and_removes_nothing(
+    spark: SparkSession, memory_mqd: Daemon, q: str, tmp_path: Path
+) -> None:
+    fill(memory_mqd, q, [b"plain", b"\xff\xfe\x80"])
+    args = ["--queue", q, "--to", str(tmp_path / "out"), "--format", "jsonl", "--drain"]
+    result = CliRunner().invoke(
+        cli.main, ["pipeline", "export", *args, "--servers", servers(memory_mqd)]
+    )
+    assert result.exit_code == 1
+    assert "a message body is not UTF-8 text: export with --body-type binary" in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    mqd_spark.wait_for_commits(spark)
+    assert items(memory_mqd, q) == 2 and open_count(memory_mqd, q) == 0
 
 
 def test_ingest_text_lines(spark: SparkSession, memory_mqd: Daemon, q: str, tmp_path: Path) -> None:

@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import mqd_spark
 import pytest
+from pymemcache.client.base import Client
 from pyspark import TaskContext, cloudpickle
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql.functions import col, concat_ws, spark_partition_id, udf
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.types import BinaryType
-from spark_helpers import Consumer, fill, items, servers, take_all
+from spark_helpers import (
+    FULL,
+    FULL_ITEMS,
+    Consumer,
+    fill,
+    items,
+    open_count,
+    servers,
+    take_all,
+)
 
 from mqd.testing.daemon import Daemon
 
@@ -150,13 +162,130 @@ def test_drain_of_a_failed_job_removes_nothing(spark: SparkSession, mqd: Daemon,
     assert items(mqd, q) == 0
 
 
-def test_drain_under_a_row_limit_removes_nothing(
-    spark: SparkSession, memory_mqd: Daemon, q: str
+@pytest.mark.parametrize(
+    "keep_some",
+    [lambda df: df.limit(3).collect(), lambda df: df.tail(3)],
+    ids=["limit", "tail"],
+)
+def test_drain_that_keeps_only_some_rows_removes_nothing(
+    spark: SparkSession, memory_mqd: Daemon, q: str, keep_some: Callable[[DataFrame], list[Row]]
 ) -> None:
     fill(memory_mqd, q, bodies(10))
-    assert len(read(spark, memory_mqd, q, mode="drain").limit(3).collect()) == 3
+    assert len(keep_some(read(spark, memory_mqd, q, mode="drain"))) == 3
     mqd_spark.wait_for_commits(spark)
     assert items(memory_mqd, q) == 10
+    assert open_count(memory_mqd, q) == 0
+
+
+def test_a_cached_drain_is_settled_by_the_action_that_fills_the_cache(
+    spark: SparkSession, memory_mqd: Daemon, q: str
+) -> None:
+    fill(memory_mqd, q, bodies(30))
+    df = read(spark, memory_mqd, q, mode="drain", partitions="2").cache()
+    try:
+        assert df.count() == 30
+        mqd_spark.wait_for_commits(spark)
+        assert items(memory_mqd, q) == 0
+        assert sorted(r.body for r in df.collect()) == bodies(30)  # from the cache
+    finally:
+        df.unpersist()
+
+
+def test_rows_read_through_the_rdd_leave_once_acknowledged(
+    spark: SparkSession, memory_mqd: Daemon, q: str
+) -> None:
+    fill(memory_mqd, q, bodies(20))
+    df = read(spark, memory_mqd, q, mode="drain", partitions="2")
+    assert sorted(r.body for r in df.rdd.collect()) == bodies(20)
+    mqd_spark.wait_for_commits(spark)
+    # No SQL query ran, so no listener heard of it: the rows are still leased.
+    assert (items(memory_mqd, q), open_count(memory_mqd, q)) == (20, 20)
+    assert mqd_spark.acknowledge(df) == 2
+    assert items(memory_mqd, q) == 0
+
+
+def test_a_write_that_a_full_queue_refuses_fails_and_its_drain_gives_back(
+    spark: SparkSession, memory_mqd: Daemon, q: str
+) -> None:
+    full = FULL + q
+    fill(memory_mqd, q, bodies(FULL_ITEMS * 2))
+    df = read(spark, memory_mqd, q, mode="drain").select("body").coalesce(1)
+    with pytest.raises(Exception, match="rows were not stored \\(NOT_STORED\\)"):
+        df.write.format("mqd").option("servers", servers(memory_mqd)).option("queue", full).save()
+    mqd_spark.wait_for_commits(spark)
+    assert take_all(memory_mqd, q) == bodies(FULL_ITEMS * 2)  # none lost
+    assert take_all(memory_mqd, full) == bodies(FULL_ITEMS)
+
+
+def test_a_peek_beside_open_messages_reads_the_same_rows_every_time(
+    spark: SparkSession, memory_mqd: Daemon, q: str, tmp_path: Path
+) -> None:
+    fill(memory_mqd, q, bodies(10))
+    holders = [Client(memory_mqd.address) for _ in range(3)]
+    try:
+        assert [c.get(q + "/open") for c in holders] == bodies(3)
+        df = read(spark, memory_mqd, q)
+        first = sorted(r.body for r in df.collect())
+        fill(memory_mqd, q, bodies(3, "late"))
+        assert sorted(r.body for r in df.collect()) == first == bodies(10)[3:]
+        # A peek stream started now reads the late ones in a later batch, none skipped.
+        fill(memory_mqd, q, bodies(2, "later"))
+        stream = spark.readStream.format("mqd").option("servers", servers(memory_mqd))
+        query = (
+            stream.option("queue", q)
+            .option("mode", "peek")
+            .load()
+            .writeStream.format("parquet")
+            .option("path", str(tmp_path / "out"))
+            .option("checkpointLocation", str(tmp_path / "checkpoint"))
+            .start()
+        )
+        query.processAllAvailable()
+        fill(memory_mqd, q, bodies(2, "last"))
+        query.processAllAvailable()
+        query.stop()
+        got = sorted(r.body for r in spark.read.parquet(str(tmp_path / "out")).collect())
+        expected = bodies(10)[3:] + bodies(3, "late") + bodies(2, "later") + bodies(2, "last")
+        assert got == sorted(expected)
+    finally:
+        for client in holders:
+            client.close()
+
+
+def test_an_available_now_stream_removes_its_last_batch(
+    spark: SparkSession, memory_mqd: Daemon, q: str, tmp_path: Path
+) -> None:
+    fill(memory_mqd, q, bodies(100))
+    query = (
+        spark.readStream.format("mqd")
+        .option("servers", servers(memory_mqd))
+        .option("queue", q)
+        .option("max_messages", "30")
+        .load()
+        .writeStream.format("parquet")
+        .option("path", str(tmp_path / "out"))
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    assert query.awaitTermination(120)
+    assert query.exception() is None
+    got = sorted(r.body for r in spark.read.parquet(str(tmp_path / "out")).collect())
+    assert got == bodies(100)
+    assert (items(memory_mqd, q), open_count(memory_mqd, q)) == (0, 0)
+
+
+def test_a_glob_passes_over_a_queue_name_that_is_not_utf8(
+    spark: SparkSession, memory_mqd: Daemon, q: str
+) -> None:
+    with socket.create_connection(memory_mqd.address) as sock:
+        sock.sendall(b"set " + q.encode() + b"\xff 0 0 2\r\nno\r\n")
+        assert sock.recv(100) == b"STORED\r\n"
+    fill(memory_mqd, q + "a", [b"yes"])
+    assert [r.body for r in read(spark, memory_mqd, q + "*").collect()] == [b"yes"]
+    assert [r.body for r in read(spark, memory_mqd, q + "*", mode="drain").collect()] == [b"yes"]
+    mqd_spark.wait_for_commits(spark)
+    assert items(memory_mqd, q + "a") == 0
 
 
 def test_several_queues_by_glob_on_several_servers(
@@ -282,6 +411,7 @@ def test_stream_sink_moves_rows_between_queues(
     ("options", "message"),
     [
         ({"queue": "x", "mode": "empty"}, "mqd option mode='empty': must be one of peek, drain"),
+        ({"queue": "my queue"}, "mqd option queue: bad queue name 'my queue'"),
         ({}, "mqd option queue is missing"),
         ({"queue": "x", "servers": "nohost"}, "mqd option servers: bad address 'nohost'"),
         ({"queue": "x", "limit": "-3"}, "mqd option limit='-3': must be a whole number >= 1"),

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from mqd_spark import rows
+from mqd_spark import leases, rows
+from mqd_spark import options as opts
 from mqd_spark.wire import Connection, WireError
 from spark_helpers import take_all
 
@@ -106,6 +107,10 @@ def test_an_error_reply_raises_and_names_it(memory_mqd: Daemon, q: str) -> None:
         ({"body": pa.array([b"a", None])}, "no body"),
         ({"body": pa.array([b"a"]), "queue": pa.array(["two words"])}, "space"),
         ({"body": pa.array([b"a"]), "queue": pa.array(["a/b"])}, "'/'"),
+        ({"body": pa.array([b"a"]), "queue": pa.array([""])}, "empty or over 250 bytes"),
+        ({"body": pa.array([b"a"]), "queue": pa.array(["é" * 126])}, "empty or over 250 bytes"),
+        ({"body": pa.array([b"a", b"b"]), "flags": pa.array([1, -1])}, "outside 0 to 4294967295"),
+        ({"body": pa.array([b"a"]), "flags": pa.array([2**32])}, "outside 0 to 4294967295"),
     ],
 )
 def test_rows_that_cannot_be_sent_are_refused(columns: dict[str, pa.Array], message: str) -> None:
@@ -149,3 +154,23 @@ def test_leases_hold_for_the_time_asked(tmp_path: Path, q: str) -> None:
             time.sleep(1.5)
             assert take_all(daemon, q) == bodies[2:]  # the short lease's came back
             assert conn.lease_ack(q, ["long", "short"]) == 1
+
+
+def test_partitions_cut_a_drain_smaller_than_a_lease() -> None:
+    parts = leases.plan(("127.0.0.1", 1), "q", "b", 30, rows_per_part=8, hold_s=60)
+    assert [[n for _, n in p.leases] for p in parts] == [[8], [8], [8], [6]]
+    assert len({name for p in parts for name, _ in p.leases}) == 4
+    big = leases.plan(("127.0.0.1", 1), "q", "b", 25_000, rows_per_part=100_000, hold_s=60)
+    assert [[n for _, n in p.leases] for p in big] == [[10_000, 10_000, 5_000]]
+
+
+def test_a_peek_on_a_backend_without_reads_by_id_is_refused_at_planning(
+    tmp_path: Path, q: str
+) -> None:
+    with Daemon(tmp_path, backend="bdb-random") as daemon:
+        store(daemon, pa.RecordBatch.from_pydict({"body": pa.array([b"x"])}), spec(q))
+        with closing(Connection(daemon.address)) as conn:
+            found = opts.survey(opts.parse({"queue": q}), conn)
+            assert [name for name, _, _ in found] == [q]
+            with pytest.raises(opts.OptionError, match="use mode=drain"):
+                opts.check_range_reads(conn, found)
