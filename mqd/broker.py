@@ -77,12 +77,15 @@ T = TypeVar("T")
 class Session:
     """A connection as the broker sees it: its open messages and a way to flush replies."""
 
-    __slots__ = ("flush", "open", "waiter")
+    __slots__ = ("flush", "gone", "open", "waiter")
 
     def __init__(self, flush: Callable[[], None] = lambda: None) -> None:
         self.flush = flush  # sends the replies so far, before the broker waits
         self.open: dict[str, Opened] = {}
         self.waiter: asyncio.Future[str | None] | None = None  # set while a get waits
+        # The client sent its end of file, or the connection is lost: no get
+        # waits for it any more, nor takes what woke it (end_waits).
+        self.gone = False
 
 
 @dataclass(eq=False)
@@ -362,7 +365,8 @@ class Broker:
                 if not live:
                     break
                 deadline = max(start + self._wait_of(k) for k in live)
-                await self._wait([k.queue for k in live], deadline - now, session)
+                if not await self._wait([k.queue for k in live], deadline - now, session):
+                    break
                 await self._pass(live, session, hits, holder, first=False)
         except Exception:
             if not hits:
@@ -385,9 +389,8 @@ class Broker:
                 if message is not None:
                     return queue, message
             left = deadline - loop.time()
-            if left <= 0 or self.stopping:
+            if left <= 0 or self.stopping or not await self._wait(queues, left, session):
                 return None
-            await self._wait(queues, left, session)
 
     def _wait_of(self, key: Key) -> float:
         return min((key.wait_ms or 0) / 1000, self.config.max_wait)
@@ -735,7 +738,8 @@ class Broker:
             left = deadline - loop.time()
             if messages or left <= 0 or self.stopping:
                 return messages
-            await self._wait([queue], left, session)
+            if not await self._wait([queue], left, session):
+                return messages
 
     async def _lease_into(
         self, state: QueueState, lease: NamedLease, count: int, visibility: float
@@ -903,8 +907,15 @@ class Broker:
 
     # -- waiting -----------------------------------------------------------
 
-    async def _wait(self, queues: list[str], timeout: float, session: Session) -> None:
-        """Until a message may be in one of `queues`, or `timeout` seconds pass."""
+    async def _wait(self, queues: list[str], timeout: float, session: Session) -> bool:
+        """Until a message may be in one of `queues`, or `timeout` seconds pass.
+
+        False, at once or when woken, once the session is gone (end_waits): the
+        get must then take nothing, as its client would never hear of it, and a
+        wake-up meant for it goes on to the next waiter.
+        """
+        if session.gone:
+            return False
         session.flush()
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[str | None] = loop.create_future()
@@ -919,7 +930,12 @@ class Broker:
         timer = loop.call_later(timeout, _settle, waiter)
         session.waiter = waiter
         try:
-            await waiter
+            woken_by = await waiter
+            if session.gone:
+                if woken_by is not None:
+                    self._wake_queue(woken_by)
+                return False
+            return True
         except asyncio.CancelledError:
             # A wake-up meant for this waiter must not be lost with it.
             if waiter.done() and not waiter.cancelled() and waiter.result() is not None:
@@ -948,8 +964,21 @@ class Broker:
     @staticmethod
     def interrupt(session: Session) -> None:
         """The session's connection is gone: stop its wait, if it is waiting."""
+        session.gone = True
         if session.waiter is not None and not session.waiter.done():
             session.waiter.cancel()
+
+    @staticmethod
+    def end_waits(session: Session) -> None:
+        """The client sent its end of file: a get that waits answers with what it has now.
+
+        A client that closed its socket sends the same end of file as one that
+        only half-closed it: a message taken for it after this could reach
+        nobody, so none is.
+        """
+        session.gone = True
+        if session.waiter is not None:
+            _settle(session.waiter)
 
     def _arrived(self, queue: str) -> None:
         """The backend says a message may have arrived in `queue` from elsewhere."""

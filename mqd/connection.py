@@ -219,11 +219,13 @@ class Connection(asyncio.Protocol):
 
         As memcached does. Returning False would have the transport close at
         once, dropping the replies still held for their sync, and with them
-        the messages their gets took.
+        the messages their gets took. A get that waits for a message answers
+        at once with none: the client may have closed its socket for good.
         """
         if self.closed:
             return False
         self._eof = True
+        self.broker.end_waits(self.session)
         if self.task is None and not self.pending:
             self.close()  # after the held replies, if any (_released)
         return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -280,6 +281,29 @@ def test_waiting_get_is_woken_by_set(daemon: Daemon, q: str) -> None:
     assert consumer.read_until(b"END\r\n") == value(q + "/t=3000", b"hi") + b"END\r\n"
     # Woken by the set, not by the 3 s timeout (with room for a busy machine).
     assert time.monotonic() - start < 2.5
+
+
+def test_a_waiting_get_whose_client_closed_takes_nothing(daemon: Daemon, q: str) -> None:
+    producer, k = connect(daemon), q.encode()
+    gone = connect(daemon)
+    gone.send(b"get %b/t=5000\r\n" % k)
+    time.sleep(0.1)
+    gone.close()  # an end of file, as from a client whose own timeout ran out
+    time.sleep(0.1)
+    store(producer, q, b"kept")
+    time.sleep(0.1)  # the get that waited had its turn to take it
+    producer.call(b"get %b\r\n" % k, value(q, b"kept") + b"END\r\n")
+
+
+def test_a_waiting_get_answers_at_once_when_its_client_half_closes(daemon: Daemon, q: str) -> None:
+    half = connect(daemon)
+    half.send(b"get %b/t=5000\r\nversion\r\n" % q.encode())
+    time.sleep(0.1)
+    start = time.monotonic()
+    half.sock.shutdown(socket.SHUT_WR)
+    assert half.read_until(b"VERSION 1.0.0\r\n") == b"END\r\nVERSION 1.0.0\r\n"
+    assert half.closed()
+    assert time.monotonic() - start < 1.5  # not when the wait ends (max_wait: 2 s)
 
 
 def test_multi_key_wait_is_woken_by_either(daemon: Daemon, q: str) -> None:

@@ -240,6 +240,47 @@ def test_a_lease_that_failed_leaves_the_next_leases_working() -> None:
     )
 
 
+async def _waiting_and_producer() -> tuple[Connection, FakeTransport, Connection, FakeTransport]:
+    """A connection whose `get q/t=5000` waits, and another to feed the queue."""
+    server = Server(Config(backend="memory"), MemoryBackend(StorageOptions()))
+    server.loop = asyncio.get_running_loop()
+    await server.broker.start()
+    pairs = []
+    for _ in range(2):
+        connection, transport = Connection(server), FakeTransport()
+        connection.connection_made(transport)  # type: ignore[arg-type]
+        pairs.append((connection, transport))
+    (waiting, waiting_out), (producer, producer_out) = pairs
+    waiting.data_received(b"get q/t=5000\r\n")
+    await asyncio.sleep(0.01)
+    assert waiting.task is not None and not waiting_out.written
+    return waiting, waiting_out, producer, producer_out
+
+
+def test_a_get_woken_as_its_connection_is_lost_leaves_the_message() -> None:
+    async def run() -> bytes:
+        waiting, _, producer, producer_out = await _waiting_and_producer()
+        producer.data_received(b"set q 0 0 1\r\nx\r\n")  # wakes the waiting get...
+        waiting.connection_lost(None)  # ...whose client is gone before it runs again
+        await asyncio.sleep(0.01)
+        producer.data_received(b"get q\r\n")
+        return bytes(producer_out.written)
+
+    assert asyncio.run(run()) == b"STORED\r\nVALUE q 0 1\r\nx\r\nEND\r\n"
+
+
+def test_a_waiting_get_answers_none_at_the_end_of_file_and_takes_nothing() -> None:
+    async def run() -> tuple[bytes, bool, bytes]:
+        waiting, waiting_out, producer, producer_out = await _waiting_and_producer()
+        waiting.eof_received()
+        await asyncio.sleep(0.01)
+        producer.data_received(b"set q 0 0 1\r\nx\r\nget q\r\n")
+        await asyncio.sleep(0.01)
+        return bytes(waiting_out.written), waiting_out.closed, bytes(producer_out.written)
+
+    assert asyncio.run(run()) == (b"END\r\n", True, b"STORED\r\nVALUE q 0 1\r\nx\r\nEND\r\n")
+
+
 def test_missing_capability_is_a_clear_error() -> None:
     backend = FifoOnly(StorageOptions())
     reply = talk([b"add q 0 0 1\r\nx\r\nget q/at=0\r\nset q 0 0 1\r\ny\r\n"], backend=backend)
