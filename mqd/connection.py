@@ -269,9 +269,8 @@ class Connection(asyncio.Protocol):
             broker = self.broker
             out = self.out
             while pending and not self.closed:
-                if self._writable is not None:  # the client is not reading its replies
-                    self.flush()
-                    await self._writable
+                if self._writable is not None or self.out_bytes >= WRITE_HIGH:
+                    await self._until_client_reads()
                 command = pending.popleft()
                 kind = type(command)
                 reply: bytes | None
@@ -556,15 +555,24 @@ class Connection(asyncio.Protocol):
             piece = Retrieve(keys[first : first + GET_PIECE], command.with_ids)
             hits = await self.broker.retrieve(piece, self.session, self)
             self.out.append(protocol.values_reply(hits, command.with_ids)[: -len(END)])
-            self.flush()
-            if self._held is not None:
-                # The piece's takes wait for their commit: the next piece
-                # waits with them, so that one piece's values are held at most.
-                self._unheld = self.server.loop.create_future()
-                await self._unheld
-            if self._writable is not None:
-                await self._writable
+            # The piece's takes may wait for their commit: the next piece waits
+            # with them, so that one piece's values are held at most.
+            await self._until_client_reads()
         return END
+
+    async def _until_client_reads(self) -> None:
+        """Until the replies gathered so far are written and the client reads them.
+
+        The output bound: a client that does not read its replies gets no more
+        commands run, also while its replies are held for their sync (which
+        fills no socket buffer until it ends).
+        """
+        self.flush()
+        if self._held is not None:
+            self._unheld = self.server.loop.create_future()
+            await self._unheld
+        if self._writable is not None:
+            await self._writable
 
     def _login(self, command: Any) -> bytes:
         """memcached's text-protocol login: the first `set`'s data is `<user> <password>`.

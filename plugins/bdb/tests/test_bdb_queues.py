@@ -140,6 +140,33 @@ def test_a_client_that_half_closes_hears_every_reply(name: str, tmp_path: Path) 
         conn.call(b"get hx\r\n", b"VALUE hx 0 1\r\nA\r\nEND\r\n")
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_client_that_does_not_read_gets_no_more_than_the_output_bound(
+    name: str, tmp_path: Path
+) -> None:
+    """Replies held for their sync count towards the 256 KiB a client may leave
+    unread: a client that pipelines gets and never reads takes a few messages
+    (what the socket buffers and the bound hold), not all it asked for."""
+    count, size = 200, 100_000
+    with Daemon(tmp_path, backend=name) as daemon:
+        producer = Raw(daemon.address)
+        for i in range(count):  # distinct bodies: bdb-random keeps one of each
+            body = b"%06d" % i + b"x" * (size - 6)
+            producer.send(b"set big 0 0 %d\r\n%b\r\n" % (size, body))
+        assert producer.read(len(b"STORED\r\n") * count) == b"STORED\r\n" * count
+        with socket.socket() as stalled:
+            # A fixed receive buffer (no autotuning), as a slow client's.
+            stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            stalled.connect(daemon.address)
+            stalled.sendall(b"get big\r\n" * count)
+            time.sleep(2)
+            producer.call(b"version\r\n", b"VERSION 1.0.0\r\n")  # others are served
+            producer.send(b"stats queues\r\n")
+            stats = producer.read_until(b"END\r\n")
+            left = int(stats.split(b"STAT queue_big_items ")[1].split(b"\r\n")[0])
+            assert count - left <= count // 2, f"{count - left} of {count} taken"
+
+
 def _resp(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in args)
 
