@@ -228,7 +228,7 @@ class RedisConnection(Connection):
         crash, delivers it twice), so a move never loses one.
         """
         source, target = self.queue(raw_source), self.queue(raw_target)
-        wait = int(timeout * 1000) or None
+        wait = int(min(timeout, self.server.config.max_wait) * 1000) or None
         opening = Key(raw_source, source, wait_ms=wait, open=True)
         hits = await self.broker.retrieve(Retrieve([opening], False), self.session)
         if not hits:
@@ -242,7 +242,11 @@ class RedisConnection(Connection):
         if put is Put.FULL:
             await self._end_move(raw_source, source, abort=True)
             raise ServerError("queue full: 0 of 1 values stored")
-        await self._end_move(raw_source, source, abort=False)
+        # Onto itself, a unique queue finds the body already there: the message
+        # moved is that copy, which acknowledging would remove. It goes back
+        # instead, so the rotation leaves the set as it was.
+        rotated_onto_itself = put is Put.DUPLICATE and source == target
+        await self._end_move(raw_source, source, abort=rotated_onto_itself)
         return resp.bulk(message.body)
 
     async def _end_move(self, raw: bytes, queue: str, *, abort: bool) -> None:

@@ -79,6 +79,21 @@ def test_sets_on_a_unique_queue(red: Raw, q: str) -> None:
     red.call(request("SPOP", u, "3") + request("SPOP", u), b"*0\r\n$-1\r\n")
 
 
+def test_a_unique_queue_moved_onto_itself_keeps_its_members(red: Raw, q: str) -> None:
+    u = "uniq." + q
+    red.call(request("RPUSH", u, "s1", "s2"), b":2\r\n")
+    red.call(request("RPOPLPUSH", u, u) + request("LLEN", u), b"$2\r\ns1\r\n:2\r\n")
+    red.call(request("LMOVE", u, u, "LEFT", "RIGHT") + request("LLEN", u), b"$2\r\ns1\r\n:2\r\n")
+    red.call(request("LPOP", u, "5"), b"*2\r\n$2\r\ns1\r\n$2\r\ns2\r\n")
+
+
+def test_a_move_waits_no_longer_than_max_wait(red: Raw, q: str) -> None:
+    start = time.monotonic()
+    red.call(request("BLMOVE", q, q + "b", "LEFT", "LEFT", "1e308"), b"$-1\r\n")
+    red.call(request("BRPOPLPUSH", q, q + "b", "1e308"), b"$-1\r\n")
+    assert time.monotonic() - start < 6  # max_wait = 2 in the test config
+
+
 def test_keys(red: Raw, q: str) -> None:
     red.call(request("TYPE", q) + request("EXISTS", q, q), b"+none\r\n:0\r\n")
     red.call(request("RPUSH", q, "x") + request("TYPE", q), b":1\r\n+list\r\n")
