@@ -29,7 +29,7 @@ from mqd import __version__, resp
 from mqd.backend import Capability, Message, Put, QueueSize
 from mqd.connection import Connection
 from mqd.errors import ClientError, NotSupported, ProtocolError, ServerError, StorageError
-from mqd.protocol import Key, Retrieve, Store, name_bytes, queue_name
+from mqd.protocol import TOO_LARGE, Key, Retrieve, Store, name_bytes, queue_name
 
 if TYPE_CHECKING:
     from mqd.server import Server
@@ -167,6 +167,10 @@ class RedisConnection(Connection):
         """
         queue = self.queue(args[1])
         values = args[2:]
+        # As Redis' pushes, all or nothing where it can be known beforehand: a
+        # value over the queue's size limit stores none of them.
+        if max(map(len, values), default=0) > self.broker.state(queue).max_item_size:
+            raise ServerError(TOO_LARGE)
         for done, body in enumerate(values):
             if await self.broker.store(Store(False, queue, 0, 0, body, False), self) is Put.FULL:
                 raise ServerError(f"queue full: {done} of {len(values)} values stored")
@@ -179,7 +183,11 @@ class RedisConnection(Connection):
             return resp.bulk(message.body) if message is not None else self.null
         if len(args) > 3:
             raise resp.client_error("arity", args[0].decode("latin-1").lower())
-        bodies = await self._take(args[1], resp.parse_count(args[2]))
+        count = resp.parse_count(args[2])
+        if not count:  # as Redis 7: an empty array from a list, a null one from no key
+            waiting = _items(await self.broker.size(self.queue(args[1])))
+            return resp.array([]) if waiting else self.null_array
+        bodies = await self._take(args[1], count)
         return resp.array(bodies) if bodies else self.null_array
 
     async def _take(self, raw: bytes, count: int) -> list[bytes]:

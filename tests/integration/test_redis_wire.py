@@ -107,6 +107,21 @@ def test_a_full_queue_refuses_the_values_that_do_not_fit(red: Raw, q: str) -> No
     red.call(request("LLEN", limited), b":2\r\n")
 
 
+def test_a_push_with_a_value_over_the_size_limit_stores_none(red: Raw, q: str) -> None:
+    small = "small." + q  # max_item_size = 10
+    red.call(
+        request("RPUSH", small, "ok", "0123456789a", "ok2"),
+        b"-ERR object too large for cache\r\n",
+    )
+    red.call(request("LLEN", small) + request("RPUSH", small, "0123456789"), b":0\r\n:1\r\n")
+
+
+def test_a_pop_of_none_is_an_empty_array_from_a_list_and_null_from_no_key(red: Raw, q: str) -> None:
+    red.call(request("LPOP", q, "0") + request("RPUSH", q, "a"), b"*-1\r\n:1\r\n")
+    red.call(request("LPOP", q, "0") + request("RPOP", q, "0"), b"*0\r\n*0\r\n")
+    red.call(request("LLEN", q), b":1\r\n")
+
+
 def test_lmove_moves_the_head_to_the_tail(red: Raw, q: str) -> None:
     red.call(request("RPUSH", q, "1", "2"), b":2\r\n")
     red.call(request("LMOVE", q, "done" + q, "RIGHT", "LEFT"), b"$1\r\n1\r\n")

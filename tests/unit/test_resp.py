@@ -69,6 +69,10 @@ def test_empty_and_null_multibulk_are_skipped() -> None:
         (b"*x\r\n", "Protocol error: invalid multibulk length"),
         (b"*01\r\n", "Protocol error: invalid multibulk length"),
         (b"*1048577\r\n", "Protocol error: invalid multibulk length"),
+        # hiredis would have made a list of that many elements first.
+        (b"*4294967295\r\n", "Protocol error: invalid multibulk length"),
+        # Sizes that add up to a canonical request's, in types that are none.
+        (b"*2\r\n=8\r\ntxt:ECHO\r\n+0123456789\r\n", "Protocol error: expected '$', got '='"),
         (b"*1\r\n$x\r\n", "Protocol error: invalid bulk length"),
         (b"*1\r\n$-1\r\n", "Protocol error: invalid bulk length"),
         (b"*1\r\n$03\r\nabc\r\n", "Protocol error: invalid bulk length"),
