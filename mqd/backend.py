@@ -286,6 +286,10 @@ class Backend(abc.ABC):
         """Flush and release everything. No call follows."""
         return None  # optional hook: nothing to release by default
 
+    def descriptors(self) -> int:
+        """File descriptors the open backend may open later, at most: kept from connections."""
+        return 0
+
     # -- messages ------------------------------------------------------------
 
     @abc.abstractmethod

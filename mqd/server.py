@@ -167,7 +167,8 @@ class Server:
 
     def _fit_descriptors(self, limit: int) -> None:
         """Lower max_connections to what the descriptor limit leaves (one line says so)."""
-        reserve = descriptors_in_use() + DESCRIPTOR_RESERVE + limit // 8
+        storage = self.broker.backend.descriptors()
+        reserve = descriptors_in_use() + DESCRIPTOR_RESERVE + limit // 8 + storage
         fits = max(1, limit - reserve)
         if fits < self.config.max_connections:
             log.warning(

@@ -20,8 +20,10 @@ returns exactly the leases the daemon held (reclaim with its owner id).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import logging
+import resource
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mqd.bdb")
 
+MIN_OPEN_QUEUES = 8  # queues kept open whatever the descriptor limit
 INSTALL_HINT = (
     "the Berkeley DB backends need the berkeleydb module: install the system's "
     "Berkeley DB headers (Debian: apt-get install libdb5.3-dev) and then "
@@ -409,6 +412,28 @@ class BdbBackend(_FifoBdbBackend):
 
     name = "bdb"
     layout = ("per_queue", "PerQueueStore")
+
+    async def open(self) -> None:
+        # A queue's files take 2 descriptors while open: at most a quarter of
+        # the process' limit (as the daemon raised it) goes to them, and the
+        # daemon keeps that many from its connections (descriptors()), so
+        # that Berkeley DB is never left without one to open a file with: it
+        # panics then, and every command waits for its recovery.
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        fits = max(MIN_OPEN_QUEUES, limit // 4 // 2) if limit != resource.RLIM_INFINITY else 0
+        if fits and fits < self.config.max_open_queues:
+            log.warning(
+                "storage.bdb.max_open_queues lowered from %d to %d: the descriptor limit is %d "
+                "(raise it with ulimit -n or LimitNOFILE)",
+                self.config.max_open_queues,
+                fits,
+                limit,
+            )
+            self.config = dataclasses.replace(self.config, max_open_queues=fits)
+        await super().open()
+
+    def descriptors(self) -> int:
+        return 2 * self.config.max_open_queues
 
 
 class BdbSingleBackend(_FifoBdbBackend):
