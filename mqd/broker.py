@@ -1026,13 +1026,18 @@ class Broker:
             state.enqueued = state.dequeued = state.expired = 0
         await self.backend.flush_all(sync=self.config.queue_settings("").sync)
 
-    def flush_all_later(self, delay: float) -> None:
-        """memcached's `flush_all <delay>`: one pending flush, the latest asked for."""
+    def flush_all_later(self, delay: int) -> None:
+        """memcached's `flush_all <delay>`: one pending flush, the latest asked for.
+
+        The delay reads as an exptime does: over 30 days it is a Unix time (one
+        past flushes now).
+        """
         self.check_flush_all()
         if self._pending_flush is not None:
             self._pending_flush.cancel()
-        loop = asyncio.get_running_loop()
-        self._pending_flush = loop.call_later(delay, self._flush_due)
+        now = time.time()
+        at = expiry(delay, now) or now
+        self._pending_flush = asyncio.get_running_loop().call_later(at - now, self._flush_due)
 
     def _flush_due(self) -> None:
         self._pending_flush = None

@@ -29,6 +29,8 @@ from mqd.errors import BackendLoadError, ConfigError
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OVERFLOW = ("reject", "drop_oldest")
 LOOPS = ("asyncio", "uvloop", "auto")
+#: memcached's own bound on an item (its -I): a `<bytes>` the wire can carry.
+MAX_ITEM_SIZE = 1 << 30
 DAEMON_ID_FILE = "daemon-id"  # in data_dir, when [storage] daemon_id is not set
 
 
@@ -296,7 +298,7 @@ _METRICS_KEYS: dict[str, str] = {"listen": "host", "port": "port"}
 _QUEUE_KEYS: dict[str, str] = {
     "max_items": "count",
     "max_bytes": "count",
-    "max_item_size": "positive",
+    "max_item_size": "item_size",
     "overflow": "overflow",
     "unique": "boolean",
     "visibility_timeout": "number",
@@ -326,6 +328,8 @@ def _read(check: TableReader, kinds: dict[str, str]) -> dict[str, Any]:
             out[key] = check.integer(key, 0, 65535)
         elif kind == "positive":
             out[key] = check.integer(key, 1)
+        elif kind == "item_size":
+            out[key] = check.integer(key, 1, MAX_ITEM_SIZE)
         elif kind == "count":
             out[key] = check.integer(key, 0)
         elif kind == "number":

@@ -226,6 +226,10 @@ class Connection(asyncio.Protocol):
             return False
         self._eof = True
         self.broker.end_waits(self.session)
+        if self.transport is not None and self.transport.get_extra_info("sslcontext"):
+            # TLS closes at the client's end of file whatever this returns (it
+            # would only log that): replies held then are lost, see the README.
+            return False
         if self.task is None and not self.pending:
             self.close()  # after the held replies, if any (_released)
         return True
@@ -275,7 +279,8 @@ class Connection(asyncio.Protocol):
                 kind = type(command)
                 reply: bytes | None
                 if self.locked:
-                    reply = self._login(command) or await self._execute(command)
+                    login = self._login(command)
+                    reply = await self._execute(command) if login is None else login
                 elif (
                     server.overlap and pending and self.groups(command) and self.groups(pending[0])
                 ):
@@ -574,13 +579,18 @@ class Connection(asyncio.Protocol):
         if self._writable is not None:
             await self._writable
 
-    def _login(self, command: Any) -> bytes:
+    def _login(self, command: Any) -> bytes | None:
         """memcached's text-protocol login: the first `set`'s data is `<user> <password>`.
 
-        Returns the reply, or b"" for a command that runs anyway (a fatal parse error).
+        Returns the reply (b"" under noreply, as for any command), or None for
+        a command that runs anyway (a fatal parse error).
         """
         if isinstance(command, Failed) and command.close:
-            return b""
+            return None
+        reply = self._login_reply(command)
+        return b"" if getattr(command, "noreply", False) else reply
+
+    def _login_reply(self, command: Any) -> bytes:
         if not isinstance(command, Store) or command.add:
             return UNAUTHENTICATED
         user, space, password = command.body.partition(b" ")

@@ -439,12 +439,13 @@ class Parser:
                 continue
             newline = data.find(b"\n", pos)
             if newline < 0:
-                if size - pos > MAX_LINE and size - pos > self._line_limit(data, pos):
+                # Less one byte: the line's \r may be here, its \n not yet.
+                if size - pos - 1 > MAX_LINE and size - pos - 1 > self._line_limit(data, pos):
                     return [*out, self._too_long()]
                 break
-            if newline - pos > MAX_LINE and newline - pos > self._line_limit(data, pos):
-                return [*out, self._too_long()]
             end = newline - 1 if newline > pos and data[newline - 1] == 13 else newline
+            if end - pos > MAX_LINE and end - pos > self._line_limit(data, pos):
+                return [*out, self._too_long()]
             line = data[pos:end]
             pos = newline + 1
             # Fast paths for the two commands that carry the load; anything
@@ -523,7 +524,8 @@ class Parser:
             self._rest += data  # the line's first bytes together: _line_limit reads them
         self._have += len(data)
         self.partial = True
-        if self._have > MAX_LINE and self._have > self._line_limit(self._rest, 0):
+        # Less one byte, as in feed: the line's \r may be here, its \n not yet.
+        if self._have - 1 > MAX_LINE and self._have - 1 > self._line_limit(self._rest, 0):
             return [self._too_long()]
         return []
 

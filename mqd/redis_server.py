@@ -115,10 +115,10 @@ class RedisConnection(Connection):
         """
         return self.broker.backend.answers_held and request[0].lower() in _PUSHES
 
-    def _login(self, request: Any) -> bytes:
-        """Before a login only AUTH, HELLO and QUIT run (b"": run it); others: NOAUTH."""
+    def _login(self, request: Any) -> bytes | None:
+        """Before a login only AUTH, HELLO and QUIT run (None: run it); others: NOAUTH."""
         if type(request) is resp.Failed or request[0].lower() in (b"auth", b"hello", b"quit"):
-            return b""
+            return None
         return resp.error(resp.ERRORS["noauth"], "NOAUTH")
 
     def execute(self, args: list[bytes]) -> Awaitable[bytes]:

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # Descriptors kept beyond those open at start: for the backend's files, and
 # (an eighth of the limit) for clients that are being refused.
 DESCRIPTOR_RESERVE = 64
+REAP_MIN_S = 0.01  # the reaper's shortest sleep, however short the timeouts it enforces
 GC_YOUNG = 50_000  # allocations between passes of the cycle collector over young objects
 
 
@@ -248,7 +249,7 @@ class Server:
         idle = self.config.idle_timeout
         slow = self.config.command_timeout
         while True:
-            await asyncio.sleep(min(t for t in (idle, slow, 1.0) if t) / 2)
+            await asyncio.sleep(max(REAP_MIN_S, min(t for t in (idle, slow, 1.0) if t) / 2))
             now = time.monotonic()
             for connection in list(self.connections):
                 if connection.closed:

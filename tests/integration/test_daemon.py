@@ -222,6 +222,11 @@ def test_max_connections_and_idle_timeout(tmp_path: Path) -> None:
             "[server]\nport = 44016\n[server.redis]\nport = 44016\n",
             "server.port (--port) and server.redis.port (--redis-port) are both 44016",
         ),
+        # Larger than a <bytes> the wire carries (memcached's own bound).
+        (
+            '[queues."*"]\nmax_item_size = 3000000000\n',
+            "max_item_size = 3000000000: must be a whole number from 1 to 1073741824",
+        ),
     ],
 )
 def test_bad_config_names_file_key_value_and_allowed(
@@ -429,8 +434,26 @@ def test_flush_all_with_a_delay_keeps_one_pending_flush(tmp_path: Path) -> None:
         time.sleep(1.5)
         conn.call(b"get gone\r\n", b"END\r\n")
         conn.call(b"flush_all 60\r\n", b"OK\r\n")
+        # Over 30 days the delay is a Unix time, as an exptime is: a past one is now.
+        store(conn, "past", b"1")
+        conn.call(b"flush_all 1700000000\r\n", b"OK\r\n")
+        time.sleep(0.2)
+        conn.call(b"get past\r\n", b"END\r\n")
         assert d.stop() == 0
     assert "never awaited" not in d.log()
+
+
+def test_timeouts_however_short_leave_the_daemon_idle(tmp_path: Path) -> None:
+    config = "[server]\ncommand_timeout = 1e-9\nidle_timeout = 1e-9\n"
+    with Daemon(tmp_path, config_text=config) as d:
+        before = _cpu_seconds(d.pid)
+        time.sleep(1)
+        assert _cpu_seconds(d.pid) - before < 0.5  # it spun at a whole core before
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_storage_error_at_start_names_the_data_dir() -> None:

@@ -220,6 +220,13 @@ def test_commands_before_login_are_refused(auth_daemon: Daemon) -> None:
     Raw(auth_daemon.address).call(b"get authq\r\n", b"CLIENT_ERROR unauthenticated\r\n")
 
 
+def test_a_login_under_noreply_answers_nothing(auth_daemon: Daemon) -> None:
+    conn = Raw(auth_daemon.address)
+    conn.send(b"set x 0 0 9 noreply\r\nbob wrong\r\ndelete q noreply\r\n")
+    conn.send(b"set x 0 0 17 noreply\r\nalice s3cret pass\r\n")
+    conn.call(b"version\r\n", b"VERSION 1.0.0\r\n")  # the first reply of all
+
+
 def test_pymemcache_logs_in_with_a_set(auth_daemon: Daemon) -> None:
     client = Client(auth_daemon.address, timeout=10)
     with pytest.raises(MemcacheClientError, match="unauthenticated"):

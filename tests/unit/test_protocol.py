@@ -223,8 +223,16 @@ def test_too_large_is_discarded_as_it_arrives() -> None:
 
 def test_line_too_long_closes() -> None:
     parser = Parser()
-    assert parser.feed(b"x" * 2049) == [Failed(ClientError("line too long"), close=True)]
+    # 2049 bytes may still be a line of 2048 and its \r; 2050 cannot.
+    assert parser.feed(b"x" * 2049) == []
+    assert parser.feed(b"x") == [Failed(ClientError("line too long"), close=True)]
     assert parser.feed(b"version\r\n") == []
+    # The limit is the line's, without its end: \r\n and \n alike.
+    for end in (b"\r\n", b"\n"):
+        (command,) = Parser().feed(b"x" * 2048 + end)
+        assert command == Failed(UnknownCommand())
+        (command,) = Parser().feed(b"x" * 2049 + end)
+        assert command == Failed(ClientError("line too long"), close=True)
     keys = b" ".join([b"k%d" % i for i in range(5000)])
     assert len(keys) > 2048
     (command,) = Parser().feed(b"get " + keys + b"\r\n")
@@ -246,8 +254,9 @@ def test_long_lines_in_small_reads(step: int) -> None:
     assert [type(c) for c in pieces(many)] == [Retrieve, Version]
     closed = [Failed(ClientError("line too long"), close=True)]
     assert pieces(b"get " + b"k" * 70000) == closed
-    assert pieces(b"x" * 2049) == closed
-    assert pieces(b"x" * 2048) == []
+    assert pieces(b"x" * 2050) == closed
+    assert pieces(b"x" * 2049) == []
+    assert pieces(b"x" * 2048 + b"\r\n") == [Failed(UnknownCommand())]
     # A set line in pieces, its block after it: held apart, then joined.
     store = b"set " + b"q" * 200 + b" 0 0 2\r\nab\r\n"
     assert pieces(store) == feed(store) and len(feed(store)) == 1
