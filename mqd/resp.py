@@ -141,6 +141,9 @@ def parse_count(raw: bytes) -> int:
 
 def parse_timeout(raw: bytes) -> float:
     """A blocking command's timeout in seconds (a float, not negative)."""
+    # Python's float() also takes "0_1" and " 1 ", which Redis' strtold does not.
+    if b"_" in raw or raw != raw.strip():
+        raise client_error("timeout")
     try:
         value = float(raw)
     except ValueError:

@@ -174,6 +174,8 @@ def test_info_has_the_stats_figures(red: Raw, q: str) -> None:
         (request("RPOP", "q", "x"), b"-ERR value is not an integer or out of range\r\n"),
         (request("LPOP", "q", "-1"), b"-ERR value is out of range, must be positive\r\n"),
         (request("BRPOP", "q", "soon"), b"-ERR timeout is not a float or out of range\r\n"),
+        (request("BRPOP", "q", "0_1"), b"-ERR timeout is not a float or out of range\r\n"),
+        (request("BRPOP", "q", " 0.1"), b"-ERR timeout is not a float or out of range\r\n"),
         (request("BRPOP", "q", "-1"), b"-ERR timeout is negative\r\n"),
         (request("SELECT", "x"), b"-ERR value is not an integer or out of range\r\n"),
         (request("LPUSH", "a b", "x"), b"-ERR invalid queue name: 1-250 bytes, no spaces, "),
