@@ -77,10 +77,15 @@ T = TypeVar("T")
 class Session:
     """A connection as the broker sees it: its open messages and a way to flush replies."""
 
-    __slots__ = ("flush", "gone", "open", "waiter")
+    __slots__ = ("closing", "flush", "gone", "open", "waiter")
 
-    def __init__(self, flush: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, flush: Callable[[], None] = lambda: None, closing: Callable[[], bool] = lambda: False
+    ) -> None:
         self.flush = flush  # sends the replies so far, before the broker waits
+        # Whether the connection is closing: lost (a reset) in the same turn
+        # as the set that woke its get, before the broker heard of it.
+        self.closing = closing
         self.open: dict[str, Opened] = {}
         self.waiter: asyncio.Future[str | None] | None = None  # set while a get waits
         # The client sent its end of file, or the connection is lost: no get
@@ -931,7 +936,8 @@ class Broker:
         session.waiter = waiter
         try:
             woken_by = await waiter
-            if session.gone:
+            if session.gone or session.closing():
+                session.gone = True
                 if woken_by is not None:
                     self._wake_queue(woken_by)
                 return False

@@ -92,7 +92,7 @@ class Connection(asyncio.Protocol):
         self.server = server
         self.broker = server.broker
         self.parser: CommandParser = protocol.Parser(server.config.max_item_size)
-        self.session = Session(self.flush)
+        self.session = Session(self.flush, self._closing_transport)
         self.transport: asyncio.Transport | None = None
         self.pending: deque[Any] = deque()  # memcached commands, or RESP requests
         self.out: list[bytes] = []
@@ -204,6 +204,9 @@ class Connection(asyncio.Protocol):
             return
         self.task = asyncio.get_running_loop().create_task(finish(step, waiting_on))
         self.server.overlap = True  # something waited: overlapping may pay again
+
+    def _closing_transport(self) -> bool:
+        return self.transport is not None and self.transport.is_closing()
 
     @property
     def reading_paused(self) -> bool:

@@ -257,11 +257,17 @@ async def _waiting_and_producer() -> tuple[Connection, FakeTransport, Connection
     return waiting, waiting_out, producer, producer_out
 
 
-def test_a_get_woken_as_its_connection_is_lost_leaves_the_message() -> None:
+@pytest.mark.parametrize("gone", ["lost", "closing"])
+def test_a_get_woken_as_its_connection_is_lost_leaves_the_message(gone: str) -> None:
     async def run() -> bytes:
-        waiting, _, producer, producer_out = await _waiting_and_producer()
+        waiting, waiting_out, producer, producer_out = await _waiting_and_producer()
         producer.data_received(b"set q 0 0 1\r\nx\r\n")  # wakes the waiting get...
-        waiting.connection_lost(None)  # ...whose client is gone before it runs again
+        # ...whose client is gone before it runs again: connection_lost ran, or
+        # the transport saw the reset and is closing, connection_lost to come.
+        if gone == "lost":
+            waiting.connection_lost(None)
+        else:
+            waiting_out.closed = True
         await asyncio.sleep(0.01)
         producer.data_received(b"get q\r\n")
         return bytes(producer_out.written)
