@@ -244,6 +244,8 @@ class AerospikeBackend(Backend):
         else:
             shard = self._put_shard(queue, shards)
         op = PutOp(message=message, limits=limits, tag=tag, fanout=fanout)
+        # Not skipped as empty by a get that follows while this set is on its way.
+        self._empty.pop((queue, shard), None)
         await self._lanes.submit(queue, shard, op, shards)
         if op.result is Put.STORED:
             self._empty.pop((queue, shard), None)
@@ -292,6 +294,17 @@ class AerospikeBackend(Backend):
         return opened
 
     async def _dequeue(self, queue: str, kind: type[Op], **fields: Any) -> Message | None:
+        if queue not in self._shards and self._lanes.busy(queue, 0):
+            # A set of this daemon is on its way to a queue it has not seen
+            # (_put sends it to shard 0). Reading the shard count now could find
+            # no queue yet: queued behind the set instead, the get sees it.
+            op = kind(**fields)
+            found = await self._lanes.submit(queue, 0, op, self.config.shards_for(queue))
+            if found is not None:
+                return found  # type: ignore[no-any-return]
+            if op.shards == 1:
+                return None
+            self._empty[(queue, 0)] = True
         shards = await self._shard_count(queue)
         if shards is None:
             return None

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,9 +22,10 @@ from mqd_aerospike.server import Node
 from mqd.backend import NO_LIMITS, Message, Put, Sync
 from mqd.errors import ConfigError, StorageError
 from mqd.testing.conformance import run_with
+from mqd.testing.daemon import Daemon
 from mqd.testing.ports import free_port
 
-from .conftest import make
+from .conftest import make, prefix_for
 
 ALWAYS = Sync.ALWAYS
 T = TypeVar("T")
@@ -410,3 +412,49 @@ def test_entry_fenced_off_after_its_commit_is_an_error_and_a_hole(
         assert size is not None and (size.items, size.bytes) == (0, 0)
 
     run_with(make(aerospike_host, tmp_path), body)
+
+
+def _pipelined(port: int, request: bytes, done: Callable[[bytes], bool]) -> bytes:
+    """Send `request` in one write; what came back once `done` says it is all there."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        reply = b""
+        while not done(reply):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+        return reply
+
+
+def _ended(reply: bytes) -> bool:
+    return reply.endswith(b"END\r\n")
+
+
+def _resp(*args: bytes) -> bytes:
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+
+def test_a_get_pipelined_behind_a_set_sees_it(aerospike_node: Node, tmp_path: Path) -> None:
+    """`set q` then `get q` in one write: the get gets what the set was told is STORED,
+    on a queue this daemon has not seen yet, on one it has, and on a sharded one
+    whose shards it last saw empty."""
+    table = aerospike_node.storage_table(prefix_for(tmp_path)) + 'queue_shards = { "sh*" = 2 }\n'
+    with Daemon(
+        tmp_path, "aerospike", '[storage]\nbackend = "aerospike"\n' + table, redis=True
+    ) as d:
+        assert d.redis_port is not None
+        for i in range(8):
+            for q in (b"new%d" % i, b"again", b"sh-again"):
+                request = b"set %s 0 0 1\r\nx\r\nget %s\r\n" % (q, q)
+                reply = _pipelined(d.port, request, _ended)
+                assert reply == b"STORED\r\nVALUE %s 0 1\r\nx\r\nEND\r\n" % q, (i, q)
+                for _ in range(2):  # every shard seen empty: the next get may skip them
+                    assert _pipelined(d.port, b"get %s\r\n" % q, _ended) == b"END\r\n"
+            # RPUSH then LPOP: the pop gets the value (the push's length may count the pop).
+            q = b"rnew%d" % i
+            request = _resp(b"RPUSH", q, b"x") + _resp(b"LPOP", q)
+            reply = _pipelined(
+                d.redis_port, request, lambda r: r.endswith((b"$1\r\nx\r\n", b"$-1\r\n"))
+            )
+            assert reply in (b":1\r\n$1\r\nx\r\n", b":0\r\n$1\r\nx\r\n"), (i, reply)
