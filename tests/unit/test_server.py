@@ -53,6 +53,9 @@ class FakeTransport:
     def is_closing(self) -> bool:
         return self.closed
 
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default  # plain TCP: no sslcontext
+
 
 class FifoOnly(MemoryBackend):
     name = "fifo-only"
