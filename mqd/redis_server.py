@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from mqd import __version__, resp
 from mqd.backend import Capability, Message, Put, QueueSize
 from mqd.connection import Connection
+from mqd.eager import run_together
 from mqd.errors import ClientError, NotSupported, ProtocolError, ServerError, StorageError
 from mqd.protocol import TOO_LARGE, Key, Retrieve, Store, name_bytes, queue_name
 
@@ -171,8 +172,19 @@ class RedisConnection(Connection):
         # value over the queue's size limit stores none of them.
         if max(map(len, values), default=0) > self.broker.state(queue).max_item_size:
             raise ServerError(TOO_LARGE)
-        for done, body in enumerate(values):
-            if await self.broker.store(Store(False, queue, 0, 0, body, False), self) is Put.FULL:
+        stored: list[Put | BaseException]
+        if len(values) == 1:
+            stored = [await self.broker.store(Store(False, queue, 0, 0, values[0], False), self)]
+        else:
+            # Every value is handed to the store before any waits (a queue being
+            # made), so that the values of two pushes never interleave.
+            stored = await run_together(
+                [self.broker.store(Store(False, queue, 0, 0, body, False), self) for body in values]
+            )
+        for done, put in enumerate(stored):
+            if isinstance(put, BaseException):
+                raise put
+            if put is Put.FULL:
                 raise ServerError(f"queue full: {done} of {len(values)} values stored")
         return resp.integer(_items(await self.broker.size(queue)))
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 from pathlib import Path
 
 import pytest
-from bdb_helpers import ALWAYS, NAMES, drain, put, session
+from bdb_helpers import ALWAYS, FIFO_NAMES, NAMES, drain, put, session
 from mqd_bdb.backend import _BdbBackend
 
 from mqd.backend import Fanout, Limits, Message, Put
@@ -169,6 +170,33 @@ def test_a_client_that_does_not_read_gets_no_more_than_the_output_bound(
 
 def _resp(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in args)
+
+
+@pytest.mark.parametrize("name", FIFO_NAMES)  # bdb-random keeps no order
+def test_pushes_of_many_values_that_make_a_queue_do_not_interleave(
+    name: str, tmp_path: Path
+) -> None:
+    """As Redis' pushes are atomic: three clients' 50-value RPUSHes, sent at once
+    to a queue not yet made, each come out in one run."""
+    with Daemon(tmp_path, backend=name, redis=True) as daemon:
+        for round_ in range(3):
+            queue = b"new%d" % round_
+            clients = [Raw(daemon.redis_address) for _ in range(3)]
+            for c, client in enumerate(clients):
+                client.send(_resp(b"RPUSH", queue, *(b"%d-%02d" % (c, i) for i in range(50))))
+            for client in clients:
+                assert client.read_until(b"\r\n").startswith(b":")
+            reader = clients[0]
+            reader.send(_resp(b"LPOP", queue, b"200"))
+            reply = reader.read_until(b"\r\n")
+            assert reply == b"*150\r\n"
+            owners = []
+            for _ in range(150):
+                reader.read_until(b"\r\n")  # the value's $5 line
+                owners.append(reader.read_until(b"\r\n").split(b"-")[0])
+            assert [owner for owner, _ in itertools.groupby(owners)] == [b"0", b"1", b"2"]
+            for client in clients:
+                client.close()
 
 
 @pytest.mark.parametrize("name", NAMES)
