@@ -528,6 +528,8 @@ class Broker:
         assert key.at is not None
         if Capability.OFFSET not in self.backend.capabilities:
             raise NotSupported("at", self.backend.name)
+        if self._stamp:  # a queue read by range is in use: not idle (idle_expiry)
+            self.state(key.queue).used = time.monotonic()
         self.counters.cmd_get += 1
         found = await self.backend.read_range(key.queue, key.at, key.count, LEASE_BYTES)
         hits = [(key, message) for message in found if not _expired(message)]
@@ -771,11 +773,22 @@ class Broker:
         return [message for message, _ in islice(lease.held.values(), count)]
 
     async def _reserve_into(self, state: QueueState, lease: NamedLease, count: int) -> None:
-        """Reserve head messages into `lease` until it holds `count` or LEASE_BYTES of bodies."""
+        """Reserve head messages into `lease` until it holds `count` or LEASE_BYTES of bodies.
+
+        A message the lease holds that has expired since is dropped first: an
+        expired message is never delivered, also not by asking a lease again.
+        """
         queue = lease.queue
         settings = state.settings
         timeout = _lease_timeout(state, lease) * LEASE_SLACK
         held = lease.held
+        now = time.time()
+        stale = [offset for offset, (m, _) in held.items() if m.expires and m.expires <= now]
+        if stale:
+            dropped = [held.pop(offset) for offset in stale]
+            lease.bytes -= sum(len(m.body) for m, _ in dropped)
+            removed = await self.backend.ack_many([r for _, r in dropped], sync=settings.sync)
+            state.expired += sum(removed)
         while len(held) < count and (not held or lease.bytes < LEASE_BYTES):
             want = min(count - len(held), RESERVE_BATCH)
             room = LEASE_BYTES - lease.bytes

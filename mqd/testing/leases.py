@@ -404,6 +404,17 @@ class LeaseConformance:
         assert (gauges["items"], gauges["open"], gauges["expired"]) == (1, 1, 1)
         assert self.ack(conn, queue, "e") == b"DELETED\r\n"
 
+    def test_a_held_message_that_expires_is_dropped_when_asked_again(self, conn: Raw) -> None:
+        queue = self.name()
+        conn.call(b"set %b 0 1 5\r\nshort\r\n" % queue.encode(), b"STORED\r\n")
+        conn.call(b"set %b 0 0 4\r\nlong\r\n" % queue.encode(), b"STORED\r\n")
+        assert sorted(body for _, body in self.lease(conn, queue, "p", 5)) == [b"long", b"short"]
+        time.sleep(1.1)  # exptime is in whole seconds
+        assert [body for _, body in self.lease(conn, queue, "p", 5)] == [b"long"]
+        gauges = self.gauges(conn, queue)
+        assert (gauges["items"], gauges["open"], gauges["expired"]) == (1, 1, 1)
+        assert self.ack(conn, queue, "p") == b"DELETED\r\n"
+
     def test_restart_gives_leased_messages_back(self, tmp_path: Path, storage_toml: str) -> None:
         if not self.durable:
             pytest.skip(f"{self.backend} keeps nothing across a restart")

@@ -133,6 +133,24 @@ def test_redrive_command_and_cli(daemon: Daemon, raw: Raw) -> None:
     raw.call(b"redrive nothing-here 5 elsewhere\r\n", b"MOVED 0\r\n")
 
 
+def test_a_queue_read_by_range_is_not_idle(daemon: Daemon, raw: Raw) -> None:
+    """A reader that follows a queue by id (`gets q/at=<next>/n=...`) names it:
+    were it removed as idle, a new message would start again at id 0, before
+    where the reader looks."""
+    queue = "idle.r" + str(time.monotonic_ns())
+    store(raw, queue, b"x")
+    raw.call(b"get %b\r\n" % queue.encode(), value(queue, b"x") + b"END\r\n")
+    for _ in range(10):  # 2 s of reads, four times idle_expiry (0.5 s)
+        raw.call(b"gets %b/at=1/n=100\r\n" % queue.encode(), b"END\r\n")
+        time.sleep(0.2)
+    store(raw, queue, b"new")
+    raw.call(
+        b"gets %b/at=1/n=100\r\n" % queue.encode(),
+        b"VALUE %b/at=1/n=100 0 3 1\r\nnew\r\nEND\r\n" % queue.encode(),
+    )
+    assert f"queue {queue!r} expired" not in daemon.log()
+
+
 def test_idle_queue_expires_but_not_one_with_an_open_message(daemon: Daemon, raw: Raw) -> None:
     idle, held = "idle.a" + str(time.monotonic_ns()), "idle.b" + str(time.monotonic_ns())
     for name in (idle, held):
