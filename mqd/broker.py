@@ -1045,18 +1045,21 @@ class Broker:
             state.enqueued = state.dequeued = state.expired = 0
         await self.backend.flush_all(sync=self.config.queue_settings("").sync)
 
-    def flush_all_later(self, delay: int) -> None:
+    async def flush_all_after(self, delay: int) -> None:
         """memcached's `flush_all <delay>`: one pending flush, the latest asked for.
 
-        The delay reads as an exptime does: over 30 days it is a Unix time (one
-        past flushes now).
+        The delay reads as an exptime does: over 30 days it is a Unix time. One
+        that is past flushes now, before the reply, as `flush_all` does.
         """
         self.check_flush_all()
+        now = time.time()
+        wait = (expiry(delay, now) or now) - now
+        if wait <= 0:
+            await self.flush_all()
+            return
         if self._pending_flush is not None:
             self._pending_flush.cancel()
-        now = time.time()
-        at = expiry(delay, now) or now
-        self._pending_flush = asyncio.get_running_loop().call_later(at - now, self._flush_due)
+        self._pending_flush = asyncio.get_running_loop().call_later(wait, self._flush_due)
 
     def _flush_due(self) -> None:
         self._pending_flush = None

@@ -629,7 +629,7 @@ class Connection(asyncio.Protocol):
 
     async def _flush_all(self, command: FlushAll) -> bytes | None:
         if command.delay:
-            self.broker.flush_all_later(command.delay)
+            await self.broker.flush_all_after(command.delay)
         else:
             await self.broker.flush_all()
         return None if command.noreply else REPLY["ok"]

@@ -172,20 +172,20 @@ class RedisConnection(Connection):
         # value over the queue's size limit stores none of them.
         if max(map(len, values), default=0) > self.broker.state(queue).max_item_size:
             raise ServerError(TOO_LARGE)
-        stored: list[Put | BaseException]
-        if len(values) == 1:
-            stored = [await self.broker.store(Store(False, queue, 0, 0, values[0], False), self)]
-        else:
+        stores = (Store(False, queue, 0, 0, body, False) for body in values)
+        if len(values) > 1 and not self.broker.state(queue).limits:
             # Every value is handed to the store before any waits (a queue being
-            # made), so that the values of two pushes never interleave.
-            stored = await run_together(
-                [self.broker.store(Store(False, queue, 0, 0, body, False), self) for body in values]
-            )
-        for done, put in enumerate(stored):
-            if isinstance(put, BaseException):
-                raise put
-            if put is Put.FULL:
-                raise ServerError(f"queue full: {done} of {len(values)} values stored")
+            # made), so that the values of two pushes never interleave. A queue
+            # with limits takes them one by one instead: a value refused there
+            # must stop the rest (a smaller one after it could still fit).
+            stored = await run_together([self.broker.store(store, self) for store in stores])
+            for put in stored:
+                if isinstance(put, BaseException):
+                    raise put
+        else:
+            for done, store in enumerate(stores):
+                if await self.broker.store(store, self) is Put.FULL:
+                    raise ServerError(f"queue full: {done} of {len(values)} values stored")
         return resp.integer(_items(await self.broker.size(queue)))
 
     async def do_pop(self, args: list[bytes]) -> bytes:

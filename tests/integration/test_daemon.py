@@ -437,8 +437,11 @@ def test_flush_all_with_a_delay_keeps_one_pending_flush(tmp_path: Path) -> None:
         # Over 30 days the delay is a Unix time, as an exptime is: a past one is now.
         store(conn, "past", b"1")
         conn.call(b"flush_all 1700000000\r\n", b"OK\r\n")
-        time.sleep(0.2)
         conn.call(b"get past\r\n", b"END\r\n")
+        # ...flushed before its reply: a set pipelined behind it stays.
+        conn.call(b"flush_all 2592001\r\nset kept 0 0 1\r\nx\r\n", b"OK\r\nSTORED\r\n")
+        time.sleep(0.2)
+        conn.call(b"get kept\r\n", value("kept", b"x") + b"END\r\n")
         assert d.stop() == 0
     assert "never awaited" not in d.log()
 

@@ -61,7 +61,7 @@ def test_descriptor_limit_caps_connections_and_clients_get_an_answer(tmp_path: P
             else:
                 assert line == b"ERROR Too many open connections\r\n"
                 outcomes["refused"] += 1
-        # bdb keeps a quarter of the limit for its queues' files (max_open_queues).
+        # bdb keeps an eighth of the limit for its queues' files (max_open_queues).
         assert outcomes["served"] >= 50 and outcomes["refused"] > 0, outcomes
         for conn in clients:
             conn.close()
@@ -75,20 +75,21 @@ def test_descriptor_limit_caps_connections_and_clients_get_an_answer(tmp_path: P
 
 
 def test_connections_leave_descriptors_for_the_queues_files(tmp_path: Path) -> None:
-    """With every connection the limit allows open, new queues still get their files:
-    Berkeley DB is never left without a descriptor (it panics then)."""
+    """With every connection the limit allows open, each pipelining sets into new
+    queues, Berkeley DB is never left without a descriptor (it panics then)."""
     with Limited(tmp_path, backend="bdb") as d:
         log = d.log()
-        assert "storage.bdb.max_open_queues lowered from 256 to 32" in log
+        assert (
+            "storage.bdb.max_open_queues lowered from 256 to 8 and max_batch from 512 to 8" in log
+        )
         found = re.search(r"max_connections lowered from 4096 to (\d+)", log)
         assert found is not None, log
         clients = [Raw(d.address) for _ in range(int(found.group(1)))]
+        for i, conn in enumerate(clients):  # rounds that each open many queues' files
+            conn.send(b"".join(b"set new%d.%d 0 0 1\r\nx\r\n" % (i, j) for j in range(5)))
         for conn in clients:
-            conn.call(b"version\r\n", b"VERSION 1.0.0\r\n")
-        writer = clients[-1]
-        for i in range(100):  # more queues than stay open: files opened and closed
-            store(writer, f"new{i}", b"x")
-        writer.call(b"get new0\r\n", value("new0", b"x") + b"END\r\n")
+            assert conn.read(len(b"STORED\r\n") * 5) == b"STORED\r\n" * 5
+        clients[0].call(b"get new0.0\r\n", value("new0.0", b"x") + b"END\r\n")
         for conn in clients:
             conn.close()
     log = d.log()

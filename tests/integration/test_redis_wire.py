@@ -107,6 +107,15 @@ def test_a_full_queue_refuses_the_values_that_do_not_fit(red: Raw, q: str) -> No
     red.call(request("LLEN", limited), b":2\r\n")
 
 
+def test_a_push_stops_at_the_first_value_a_full_queue_refuses(red: Raw, q: str) -> None:
+    limited = "bytes." + q  # max_bytes = 10: a smaller value after a refused one must not go in
+    red.call(
+        request("RPUSH", limited, "aaaaaaaa", "bbbbb", "c"),
+        b"-ERR queue full: 1 of 3 values stored\r\n",
+    )
+    red.call(request("LPOP", limited, "10"), b"*1\r\n$8\r\naaaaaaaa\r\n")
+
+
 def test_a_push_with_a_value_over_the_size_limit_stores_none(red: Raw, q: str) -> None:
     small = "small." + q  # max_item_size = 10
     red.call(

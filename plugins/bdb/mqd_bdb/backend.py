@@ -414,26 +414,36 @@ class BdbBackend(_FifoBdbBackend):
     layout = ("per_queue", "PerQueueStore")
 
     async def open(self) -> None:
-        # A queue's files take 2 descriptors while open: at most a quarter of
-        # the process' limit (as the daemon raised it) goes to them, and the
-        # daemon keeps that many from its connections (descriptors()), so
-        # that Berkeley DB is never left without one to open a file with: it
-        # panics then, and every command waits for its recovery.
+        # A queue's files take 2 descriptors while open. Beyond max_open_queues
+        # they are closed after each round, so a round may open a file pair
+        # for each of its (up to max_batch) jobs first. An eighth of the
+        # process' limit (as the daemon raised it) goes to both, and the daemon
+        # keeps that many from its connections (descriptors()): Berkeley DB is
+        # never left without a descriptor to open a file with. It panics then,
+        # and every command waits for its recovery.
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        fits = max(MIN_OPEN_QUEUES, limit // 4 // 2) if limit != resource.RLIM_INFINITY else 0
-        if fits and fits < self.config.max_open_queues:
+        fits = max(MIN_OPEN_QUEUES, limit // 8 // 4) if limit != resource.RLIM_INFINITY else 0
+        config = self.config
+        if fits and fits < max(config.max_open_queues, config.max_batch):
+            lowered = dataclasses.replace(
+                config,
+                max_open_queues=min(config.max_open_queues, fits),
+                max_batch=min(config.max_batch, fits),
+            )
             log.warning(
-                "storage.bdb.max_open_queues lowered from %d to %d: the descriptor limit is %d "
-                "(raise it with ulimit -n or LimitNOFILE)",
-                self.config.max_open_queues,
-                fits,
+                "storage.bdb.max_open_queues lowered from %d to %d and max_batch from %d to %d: "
+                "the descriptor limit is %d (raise it with ulimit -n or LimitNOFILE)",
+                config.max_open_queues,
+                lowered.max_open_queues,
+                config.max_batch,
+                lowered.max_batch,
                 limit,
             )
-            self.config = dataclasses.replace(self.config, max_open_queues=fits)
+            self.config = lowered
         await super().open()
 
     def descriptors(self) -> int:
-        return 2 * self.config.max_open_queues
+        return 2 * (self.config.max_open_queues + self.config.max_batch)
 
 
 class BdbSingleBackend(_FifoBdbBackend):
