@@ -230,23 +230,13 @@ def test_a_peek_beside_open_messages_reads_the_same_rows_every_time(
         assert sorted(r.body for r in df.collect()) == first == bodies(10)[3:]
         # A peek stream started now reads the late ones in a later batch, none skipped.
         fill(memory_mqd, q, bodies(2, "later"))
-        stream = spark.readStream.format("mqd").option("servers", servers(memory_mqd))
-        query = (
-            stream.option("queue", q)
-            .option("mode", "peek")
-            .load()
-            .writeStream.format("parquet")
-            .option("path", str(tmp_path / "out"))
-            .option("checkpointLocation", str(tmp_path / "checkpoint"))
-            .start()
-        )
+        query = start_stream(spark, memory_mqd, q, tmp_path, mode="peek")
         query.processAllAvailable()
         fill(memory_mqd, q, bodies(2, "last"))
         query.processAllAvailable()
         query.stop()
-        got = sorted(r.body for r in spark.read.parquet(str(tmp_path / "out")).collect())
         expected = bodies(10)[3:] + bodies(3, "late") + bodies(2, "later") + bodies(2, "last")
-        assert got == sorted(expected)
+        assert sorted(streamed(spark, tmp_path)) == sorted(expected)
     finally:
         for client in holders:
             client.close()
@@ -256,22 +246,10 @@ def test_an_available_now_stream_removes_its_last_batch(
     spark: SparkSession, memory_mqd: Daemon, q: str, tmp_path: Path
 ) -> None:
     fill(memory_mqd, q, bodies(100))
-    query = (
-        spark.readStream.format("mqd")
-        .option("servers", servers(memory_mqd))
-        .option("queue", q)
-        .option("max_messages", "30")
-        .load()
-        .writeStream.format("parquet")
-        .option("path", str(tmp_path / "out"))
-        .option("checkpointLocation", str(tmp_path / "checkpoint"))
-        .trigger(availableNow=True)
-        .start()
-    )
+    query = start_stream(spark, memory_mqd, q, tmp_path, available_now=True, max_messages="30")
     assert query.awaitTermination(120)
     assert query.exception() is None
-    got = sorted(r.body for r in spark.read.parquet(str(tmp_path / "out")).collect())
-    assert got == bodies(100)
+    assert sorted(streamed(spark, tmp_path)) == bodies(100)
     assert (items(memory_mqd, q), open_count(memory_mqd, q)) == (0, 0)
 
 
@@ -303,23 +281,33 @@ def test_several_queues_by_glob_on_several_servers(
 
 
 def start_stream(
-    spark: SparkSession, daemon: Daemon, queue: str, tmp_path: Path, max_messages: int
+    spark: SparkSession,
+    daemon: Daemon,
+    queue: str,
+    tmp_path: Path,
+    *,
+    available_now: bool = False,
+    **options: str,
 ) -> StreamingQuery:
-    """A drain stream of `queue` into Parquet under tmp_path/out, checkpointed."""
-    stream = (
-        spark.readStream.format("mqd")
-        .option("servers", servers(daemon))
-        .option("queue", queue)
-        .option("max_messages", str(max_messages))
-        .load()
-    )
-    return (
-        stream.writeStream.format("parquet")
+    """A stream of `queue` (a drain unless `options` say) into Parquet under
+    tmp_path/out, checkpointed; batch after batch, or what is there (`available_now`)."""
+    reader = spark.readStream.format("mqd").option("servers", servers(daemon))
+    for key, value in {"queue": queue, **options}.items():
+        reader = reader.option(key, value)
+    writer = (
+        reader.load()
+        .writeStream.format("parquet")
         .option("path", str(tmp_path / "out"))
         .option("checkpointLocation", str(tmp_path / "checkpoint"))
-        .trigger(processingTime="0 seconds")
-        .start()
     )
+    if available_now:
+        return writer.trigger(availableNow=True).start()
+    return writer.trigger(processingTime="0 seconds").start()
+
+
+def streamed(spark: SparkSession, tmp_path: Path) -> list[bytes]:
+    """The bodies a stream of start_stream wrote so far."""
+    return [r.body for r in spark.read.parquet(str(tmp_path / "out")).collect()]
 
 
 def stop_after_batches(query: StreamingQuery, batches: int) -> None:
@@ -337,15 +325,13 @@ def test_stream_restarted_from_its_checkpoint_is_exactly_once(
     spark: SparkSession, mqd: Daemon, q: str, tmp_path: Path
 ) -> None:
     fill(mqd, q, bodies(120))
-    stop_after_batches(start_stream(spark, mqd, q, tmp_path, 20), 2)
-    out = str(tmp_path / "out")
-    assert spark.read.parquet(out).count() < 120
+    stop_after_batches(start_stream(spark, mqd, q, tmp_path, max_messages="20"), 2)
+    assert len(streamed(spark, tmp_path)) < 120
     fill(mqd, q, bodies(30, "late"))
-    query = start_stream(spark, mqd, q, tmp_path, 20)
+    query = start_stream(spark, mqd, q, tmp_path, max_messages="20")
     query.processAllAvailable()
     query.stop()
-    got = sorted(r.body for r in spark.read.parquet(out).collect())
-    assert got == sorted(bodies(120) + bodies(30, "late"))
+    assert sorted(streamed(spark, tmp_path)) == sorted(bodies(120) + bodies(30, "late"))
     # Spark commits a batch when it plans the next: only the last batch may remain.
     assert items(mqd, q) <= 20
 
@@ -374,14 +360,16 @@ def test_stream_beside_another_consumer_is_exactly_once(
     # Slow enough to leave the stream some even when it is slow to start (20 s alone).
     consumer = Consumer(mqd, q, rate=100)
     consumer.start()
-    stop_after_batches(start_stream(spark, mqd, q, tmp_path, 200), 2)
-    query = start_stream(spark, mqd, q, tmp_path, 200)  # restarted from its checkpoint
+    stop_after_batches(start_stream(spark, mqd, q, tmp_path, max_messages="200"), 2)
+    query = start_stream(
+        spark, mqd, q, tmp_path, max_messages="200"
+    )  # restarted from its checkpoint
     query.processAllAvailable()
     query.stop()
     taken = consumer.finish()
-    streamed = [r.body for r in spark.read.parquet(str(tmp_path / "out")).collect()]
-    assert streamed and taken
-    assert sorted(streamed + taken) == bodies(2000)
+    got = streamed(spark, tmp_path)
+    assert got and taken
+    assert sorted(got + taken) == bodies(2000)
 
 
 def test_stream_sink_moves_rows_between_queues(
