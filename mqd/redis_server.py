@@ -150,8 +150,9 @@ class RedisConnection(Connection):
         return self.get(raw).keys[0].queue
 
     def timeout(self, raw: bytes) -> float:
-        """A blocking command's timeout in seconds; 0 (for ever in Redis) is `max_wait`."""
-        return resp.parse_timeout(raw) or self.server.config.max_wait
+        """A blocking command's timeout in seconds, at most `max_wait` (Redis' 0, for ever, too)."""
+        max_wait = self.server.config.max_wait
+        return min(resp.parse_timeout(raw) or max_wait, max_wait)
 
     # -- lists -------------------------------------------------------------
 
@@ -248,7 +249,7 @@ class RedisConnection(Connection):
         crash, delivers it twice), so a move never loses one.
         """
         source, target = self.queue(raw_source), self.queue(raw_target)
-        wait = int(min(timeout, self.server.config.max_wait) * 1000) or None
+        wait = int(timeout * 1000) or None
         opening = Key(raw_source, source, wait_ms=wait, open=True)
         hits = await self.broker.retrieve(Retrieve([opening], False), self.session)
         if not hits:
