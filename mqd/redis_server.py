@@ -171,10 +171,11 @@ class RedisConnection(Connection):
         values = args[2:]
         # As Redis' pushes, all or nothing where it can be known beforehand: a
         # value over the queue's size limit stores none of them.
-        if max(map(len, values), default=0) > self.broker.state(queue).max_item_size:
+        state = self.broker.state(queue)
+        if max(map(len, values), default=0) > state.max_item_size:
             raise ServerError(TOO_LARGE)
         stores = (Store(False, queue, 0, 0, body, False) for body in values)
-        if len(values) > 1 and not self.broker.state(queue).limits:
+        if len(values) > 1 and not state.limits:
             # Every value is handed to the store before any waits (a queue being
             # made), so that the values of two pushes never interleave. A queue
             # with limits takes them one by one instead: a value refused there

@@ -33,8 +33,9 @@ __all__ = ["Connection", "Server", "notify", "run"]
 
 log = logging.getLogger(__name__)
 
-# Descriptors kept beyond those open at start: for the backend's files, and
-# (an eighth of the limit) for clients that are being refused.
+# Descriptors kept beyond those open at start and those the backend says it
+# may open (Backend.descriptors()): for its log files and the like, and (an
+# eighth of the limit) for clients that are being refused.
 DESCRIPTOR_RESERVE = 64
 REAP_MIN_S = 0.01  # the reaper's shortest sleep, however short the timeouts it enforces
 GC_YOUNG = 50_000  # allocations between passes of the cycle collector over young objects
