@@ -128,6 +128,10 @@ class Limits:
 
 NO_LIMITS = Limits()
 
+#: The key of redrive()'s result that counts the dead letters it found expired
+#: and removed rather than moved: no queue is named "", so it names none.
+REDRIVE_EXPIRED: Final = ""
+
 
 @dataclass(frozen=True, slots=True)
 class Lease:
@@ -542,6 +546,8 @@ class Backend(abc.ABC):
         (`origin`; a message with none stays), with its delivery count back at
         0 and no origin. Each message moves exactly once, also when several
         daemons redrive the same queue at once. Returns how many went where.
+        A message that has expired is removed instead, never moved (it would
+        never be delivered), and counted under REDRIVE_EXPIRED, outside `limit`.
         """
         raise NotImplementedError("Backend.redrive")
 

@@ -32,6 +32,7 @@ from mqd.backend import (
     LATER,
     NO_LIMITS,
     PUT_STORED,
+    REDRIVE_EXPIRED,
     Backend,
     Capability,
     Fanout,
@@ -608,7 +609,9 @@ class Broker:
         """Where an open message that comes back goes: its dead-letter queue, or None."""
         settings = self.settings(queue)
         if settings.max_deliveries and message.deliveries >= settings.max_deliveries:
-            return settings.dead_letter_for(queue)
+            # One that has expired goes back, where the next take drops it, counted
+            # as expired: a dead letter is kept to be looked at or redriven.
+            return None if _expired(message) else settings.dead_letter_for(queue)
         return None
 
     async def _give_back(self, opened: Opened) -> None:
@@ -1091,6 +1094,9 @@ class Broker:
         """Move up to `limit` dead letters back (to `to`, or where each died); how many."""
         settings = self.settings(dead)
         moved = await self.backend.redrive(dead, to=to, limit=limit, sync=settings.sync)
+        expired = moved.pop(REDRIVE_EXPIRED, 0)
+        if expired:
+            self.state(dead).expired += expired
         for queue, count in moved.items():
             self.state(queue).enqueued += count
             self._wake_queue(queue)

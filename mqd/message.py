@@ -64,6 +64,10 @@ class Message:
         self.receipt = receipt
         self.origin = origin
 
+    def expired(self, now: float) -> bool:
+        """Whether it expired at or before `now` (Unix time): never to be delivered."""
+        return bool(self.expires) and self.expires <= now
+
     def handed_out(self) -> Message:
         """A copy as a take hands it out: one delivery more, no lease.
 

@@ -23,6 +23,7 @@ from mypy_extensions import mypyc_attr
 from mqd.backend import (
     NO_LIMITS,
     PUT_STORED,
+    REDRIVE_EXPIRED,
     Backend,
     Capability,
     Fanout,
@@ -574,23 +575,29 @@ class MemoryBackend(Backend):
         if q is None:
             return moved
         kept: deque[Message] = deque()
-        while q.waiting and sum(moved.values()) < limit:
+        now = time.time()
+        count = 0
+        while q.waiting and count < limit:
             message = q.waiting.popleft()
-            target = to or message.origin
-            if not target:
+            expired = message.expired(now)
+            target = REDRIVE_EXPIRED if expired else to or message.origin
+            if not target and not expired:
                 kept.append(message)  # nowhere to go back to: it stays
                 continue
             q.forget(message)
+            moved[target] = moved.get(target, 0) + 1
+            if expired:
+                continue
+            count += 1
             message.deliveries, message.origin, message.receipt = 0, "", None
             dest = self._queues.get(target) or self._store.create(target)
             dest.append(message)
-            dest.touched = time.time()
-            moved[target] = moved.get(target, 0) + 1
+            dest.touched = now
         kept.extend(q.waiting)
         q.waiting = kept
         q.touched = time.time()
         if self._store.shared:
-            for target in moved:
+            for target in moved.keys() - {REDRIVE_EXPIRED}:
                 self._store.arrived(target, self)
         return moved
 

@@ -35,6 +35,7 @@ import pytest
 from mqd.backend import (
     LATER,
     NO_LIMITS,
+    REDRIVE_EXPIRED,
     Backend,
     Capability,
     Fanout,
@@ -638,6 +639,20 @@ class BackendConformance(BatchConformance):
             assert await b.redrive("dead", to=None, limit=10, sync=ALWAYS) == {}
             assert await b.redrive("dead", to="c", limit=10, sync=ALWAYS) == {"c": 1}
             assert await b.redrive("nope", to="c", limit=10, sync=ALWAYS) == {}
+
+        self.session(data_dir, body)
+
+    def test_redrive_removes_expired_dead_letters(self, data_dir: Path) -> None:
+        async def body(b: Backend) -> None:
+            await self.put(b, "dead", b"old", expires=time.time() + 0.2)
+            await self.put(b, "dead", b"new")
+            await asyncio.sleep(0.3)
+            moved = await b.redrive("dead", to="q", limit=1, sync=ALWAYS)
+            assert moved == {"q": 1, REDRIVE_EXPIRED: 1}
+            size = await b.size("dead")
+            assert size is None or size.items == 0
+            m = await b.take("q", sync=ALWAYS)
+            assert m is not None and m.body == b"new"
 
         self.session(data_dir, body)
 

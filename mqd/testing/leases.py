@@ -394,6 +394,29 @@ class LeaseConformance:
         assert len(self.take_all(conn, f"{queue}_dead")) == 1
         assert len(self.take_all(conn, queue)) == 1
 
+    def test_given_back_past_max_deliveries_when_expired_is_dropped(self, conn: Raw) -> None:
+        queue = self.name("dl")
+        conn.call(b"set %b 0 1 5\r\nshort\r\n" % queue.encode(), b"STORED\r\n")
+        assert [body for _, body in self.lease(conn, queue, "d", 1)] == [b"short"]
+        time.sleep(1.1)  # exptime is in whole seconds
+        self.abort(conn, queue, "d")
+        assert self.take_all(conn, f"{queue}_dead") == []
+        assert self.take_all(conn, queue) == []
+        gauges = self.gauges(conn, queue)
+        assert (gauges["items"], gauges["expired"]) == (0, 1)
+
+    def test_redrive_removes_expired_dead_letters_and_counts_them(self, conn: Raw) -> None:
+        queue = self.name("dl")
+        dead = f"{queue}_dead".encode()
+        conn.call(b"set %b 0 1 3\r\nold\r\n" % dead, b"STORED\r\n")
+        conn.call(b"set %b 0 0 3\r\nnew\r\n" % dead, b"STORED\r\n")
+        time.sleep(1.1)  # exptime is in whole seconds
+        conn.call(b"redrive %b 1 %b\r\n" % (dead, queue.encode()), b"MOVED 1\r\n")
+        gauges = self.gauges(conn, dead.decode())
+        assert (gauges["items"], gauges["expired"]) == (0, 1)
+        assert self.take_all(conn, queue) == [b"new"]
+        assert self.gauges(conn, queue)["expired"] == 0
+
     def test_expired_messages_are_dropped_not_leased(self, conn: Raw) -> None:
         queue = self.name()
         conn.call(b"set %b 0 1 4\r\ngone\r\n" % queue.encode(), b"STORED\r\n")

@@ -207,10 +207,12 @@ class Apply:
         meta.items -= 1
         return True
 
-    def redrive(self, o: RedriveOp) -> list[Moved]:
-        """Waiting messages on their way out, as moves finished like dead-lettering."""
+    def redrive(self, o: RedriveOp) -> tuple[list[Moved], int]:
+        """Waiting messages on their way out, as moves finished like dead-lettering;
+        and how many were removed instead, having expired."""
         meta = self.meta
         moved: list[Moved] = []
+        expired = 0
         waiting = meta.waiting_offsets()
         for start in range(0, len(waiting), 256):
             if len(moved) >= o.limit:
@@ -220,6 +222,9 @@ class Apply:
             self.entries.update(self.store.read_entries(meta, unread))
             for offset in chunk:
                 found = self.entries.get(offset)
+                if found is not None and 0 < float(found[2]) <= self.now:
+                    expired += self.remove(offset)
+                    continue
                 to = o.to or (str(found[6]) if found is not None else "")
                 if found is None or not to or len(moved) >= o.limit:
                     continue
@@ -227,7 +232,7 @@ class Apply:
                 meta.take_waiting(offset)
                 lease = [0, "", 0, deliveries, len(found[0]), float(found[3])]
                 moved.append(self.move(offset, lease, to, redrive=True))
-        return moved
+        return moved, expired
 
     def reclaim(self, o: ReclaimOp) -> list[Moved]:
         meta = self.meta

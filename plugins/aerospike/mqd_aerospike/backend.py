@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from mqd import protocol
 from mqd.backend import (
     NO_LIMITS,
+    REDRIVE_EXPIRED,
     Backend,
     Capability,
     Fanout,
@@ -203,15 +204,19 @@ class AerospikeBackend(Backend):
         counts: dict[str, int] = {}
         if shards is None or limit <= 0:
             return counts
+        left = limit
         for shard in self._order(shards):
-            left = limit - sum(counts.values())
             if left <= 0:
                 break
             op = RedriveOp(to=to or "", limit=left)
-            moved: list[Moved] = await self._lanes.submit(dead, shard, op, shards)
+            moved: list[Moved]
+            moved, expired = await self._lanes.submit(dead, shard, op, shards)
             await asyncio.gather(*(self._finish_move(dead, m) for m in moved))
+            left -= len(moved)
             for m in moved:
                 counts[m.to] = counts.get(m.to, 0) + 1
+            if expired:
+                counts[REDRIVE_EXPIRED] = counts.get(REDRIVE_EXPIRED, 0) + expired
         return counts
 
     async def expire_idle(self, queue: str, *, before: float, sync: Sync) -> bool:

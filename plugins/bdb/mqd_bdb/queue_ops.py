@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from mqd.backend import REDRIVE_EXPIRED
 from mqd_bdb.catalog import QueueState
 from mqd_bdb.leases import Leases
 from mqd_bdb.records import WAITING, offset_of, read_message
@@ -31,12 +32,17 @@ class QueueOps(Leases):
         if q is None or limit <= 0:
             return moved
         picked = []
+        count = 0
         for key, value in self._waiting_by_age(txn, q):
             message = read_message(value)
+            if message.expired(self.now):
+                picked.append((key, message, REDRIVE_EXPIRED))  # removed, not moved
+                continue
             target = to or message.origin
             if target:  # one with nowhere to go back to stays
                 picked.append((key, message, target))
-                if len(picked) == limit:
+                count += 1
+                if count == limit:
                     break
         if not picked:
             return moved
@@ -44,9 +50,10 @@ class QueueOps(Leases):
         q.changed = self.now
         for key, message, target in picked:
             self._delete_record(txn, q, key, message.body)
-            message.deliveries, message.origin = 0, ""
-            self._append(txn, self._find(target) or self._create(target), message)
             moved[target] = moved.get(target, 0) + 1
+            if target != REDRIVE_EXPIRED:
+                message.deliveries, message.origin = 0, ""
+                self._append(txn, self._find(target) or self._create(target), message)
         return moved
 
     def expire_idle(self, txn: Any, name: str, before: float) -> bool:
