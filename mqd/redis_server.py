@@ -378,9 +378,15 @@ class RedisConnection(Connection):
 
     def _check_login(self, *credentials: bytes) -> None:
         authenticator = self.server.authenticator
-        if authenticator is None:
-            raise resp.client_error("auth")
         user, password = credentials if len(credentials) == 2 else (b"default", credentials[0])
+        if authenticator is None:
+            # As Redis with no password: its user `default` takes any password,
+            # and no other user exists; AUTH <password> alone is a mistake.
+            if len(credentials) == 1:
+                raise resp.client_error("auth")
+            if user != b"default":
+                raise resp.CodedError("WRONGPASS", resp.ERRORS["wrongpass"])
+            return
         if not authenticator.check(user, password):
             self.server.auth_failures("authentication failed for user %r", user)
             raise resp.CodedError("WRONGPASS", resp.ERRORS["wrongpass"])
@@ -423,15 +429,21 @@ class RedisConnection(Connection):
                 options = options[3:]
                 continue
             if option == b"SETNAME" and len(options) >= 2:
-                self.name = options[1]
+                self._set_name(options[1])
                 options = options[2:]
                 continue
             raise ClientError(f"Syntax error in HELLO option '{resp.quoted(options[0])}'")
 
+    def _set_name(self, name: bytes) -> None:
+        """CLIENT SETNAME's check, as Redis': printable ASCII but space; "" clears it."""
+        if any(byte < 0x21 or byte > 0x7E for byte in name):
+            raise resp.client_error("client_name")
+        self.name = name
+
     async def do_client(self, args: list[bytes]) -> bytes:
         sub = args[1].upper()
         if sub == b"SETNAME" and len(args) == 3:
-            self.name = args[2]
+            self._set_name(args[2])
             return resp.OK
         if sub == b"GETNAME" and len(args) == 2:
             return resp.bulk(self.name) if self.name else self.null

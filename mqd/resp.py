@@ -60,6 +60,7 @@ ERRORS = {
     "positive": "value is out of range, must be positive",
     "timeout": "timeout is not a float or out of range",
     "timeout_negative": "timeout is negative",
+    "timeout_range": "timeout is out of range",
     "db_index": "DB index is out of range",
     "name": "invalid queue name: 1-250 bytes, no spaces, control bytes or '/', one '+' at most",
     "subcommand": "unknown subcommand '{}'. Try {} HELP.",
@@ -71,6 +72,7 @@ ERRORS = {
         "and select the RESP protocol version at the same time"
     ),
     "wrongpass": "invalid username-password pair or user is disabled.",
+    "client_name": "Client names cannot contain spaces, newlines or special characters.",
     "auth": (
         "AUTH <password> called without any password configured for the default user. "
         "Are you sure your configuration is correct?"
@@ -123,7 +125,7 @@ def client_error(key: str, *args: object) -> ClientError:
 def parse_integer(raw: bytes) -> int:
     """A Redis integer argument (string2ll: optional minus, digits, 64-bit)."""
     digits = raw[1:] if raw[:1] == b"-" else raw
-    if not digits.isdigit() or (digits[:1] == b"0" and len(digits) > 1):
+    if not digits.isdigit() or (digits[:1] == b"0" and raw != b"0"):  # "-0" too
         raise client_error("integer")
     value = int(raw)
     if not -(2**63) <= value < 2**63:
@@ -141,17 +143,23 @@ def parse_count(raw: bytes) -> int:
 
 def parse_timeout(raw: bytes) -> float:
     """A blocking command's timeout in seconds (a float, not negative)."""
-    # Python's float() also takes "0_1" and " 1 ", which Redis' strtold does not.
+    # Python's float() also takes "0_1" and " 1 ", which Redis' strtold does not;
+    # strtold takes a hexadecimal float ("0x1p-3"), which float() does not.
     if b"_" in raw or raw != raw.strip():
         raise client_error("timeout")
     try:
         value = float(raw)
     except ValueError:
-        raise client_error("timeout") from None
-    if math.isnan(value) or math.isinf(value):
+        try:
+            value = float.fromhex(raw.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            raise client_error("timeout") from None
+    if math.isnan(value):
         raise client_error("timeout")
     if value < 0:
         raise client_error("timeout_negative")
+    if value * 1000 >= 2**63:  # Redis keeps a timeout in milliseconds, in 64 bits
+        raise client_error("timeout_range")
     return value
 
 

@@ -53,6 +53,9 @@ def test_blocking_pop_times_out_then_is_woken(daemon: Daemon, red: Raw, q: str) 
     start = time.monotonic()
     red.call(request("BRPOP", q, "0.3"), b"*-1\r\n")
     assert time.monotonic() - start >= 0.29
+    start = time.monotonic()
+    red.call(request("BRPOP", q, "0x1.4p-2"), b"*-1\r\n")  # hexadecimal, as strtold: 0.3125
+    assert time.monotonic() - start >= 0.3
     other = Raw(daemon.redis_address)
     timer = threading.Timer(0.2, other.send, [request("LPUSH", q, "late")])
     timer.start()
@@ -89,8 +92,8 @@ def test_a_unique_queue_moved_onto_itself_keeps_its_members(red: Raw, q: str) ->
 
 def test_a_move_waits_no_longer_than_max_wait(red: Raw, q: str) -> None:
     start = time.monotonic()
-    red.call(request("BLMOVE", q, q + "b", "LEFT", "LEFT", "1e308"), b"$-1\r\n")
-    red.call(request("BRPOPLPUSH", q, q + "b", "1e308"), b"$-1\r\n")
+    red.call(request("BLMOVE", q, q + "b", "LEFT", "LEFT", "1e12"), b"$-1\r\n")
+    red.call(request("BRPOPLPUSH", q, q + "b", "1e12"), b"$-1\r\n")
     assert time.monotonic() - start < 6  # max_wait = 2 in the test config
 
 
@@ -186,7 +189,26 @@ def test_info_has_the_stats_figures(red: Raw, q: str) -> None:
         (request("BRPOP", "q", "0_1"), b"-ERR timeout is not a float or out of range\r\n"),
         (request("BRPOP", "q", " 0.1"), b"-ERR timeout is not a float or out of range\r\n"),
         (request("BRPOP", "q", "-1"), b"-ERR timeout is negative\r\n"),
+        (request("BRPOP", "q", "1e300"), b"-ERR timeout is out of range\r\n"),
+        (request("BLMOVE", "q", "r", "LEFT", "RIGHT", "inf"), b"-ERR timeout is out of range"),
+        (request("BRPOP", "q", "nan"), b"-ERR timeout is not a float or out of range\r\n"),
+        (request("BRPOP", "q", "0x1g"), b"-ERR timeout is not a float or out of range\r\n"),
         (request("SELECT", "x"), b"-ERR value is not an integer or out of range\r\n"),
+        (request("SELECT", "-0"), b"-ERR value is not an integer or out of range\r\n"),
+        (request("SELECT", "00"), b"-ERR value is not an integer or out of range\r\n"),
+        (request("AUTH", "pw"), b"-ERR AUTH <password> called without any password configured"),
+        (request("AUTH", "u", "pw"), b"-WRONGPASS invalid username-password pair or user is"),
+        (request("AUTH", "default", "pw"), b"+OK\r\n"),
+        (request("HELLO", "2", "AUTH", "u", "pw"), b"-WRONGPASS invalid username-password"),
+        (
+            request("CLIENT", "SETNAME", "a b"),
+            b"-ERR Client names cannot contain spaces, newlines or special characters.\r\n",
+        ),
+        (
+            request("HELLO", "2", "SETNAME", "a\nb"),
+            b"-ERR Client names cannot contain spaces, newlines or special characters.\r\n",
+        ),
+        (request("CLIENT", "SETNAME", ""), b"+OK\r\n"),
         (request("LPUSH", "a b", "x"), b"-ERR invalid queue name: 1-250 bytes, no spaces, "),
         (request("LPUSH", "small.q", "x" * 11), b"-ERR object too large for cache\r\n"),
         (request("CLIENT", "KILL"), b"-ERR unknown subcommand 'KILL'. Try CLIENT HELP.\r\n"),
