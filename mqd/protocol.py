@@ -439,8 +439,9 @@ class Parser:
                 continue
             newline = data.find(b"\n", pos)
             if newline < 0:
-                # Less one byte: the line's \r may be here, its \n not yet.
-                if size - pos - 1 > MAX_LINE and size - pos - 1 > self._line_limit(data, pos):
+                # Less a last \r: it may end the line, whose \n has not come yet.
+                held = size - pos - (data[size - 1] == 13)
+                if held > MAX_LINE and held > self._line_limit(data, pos):
                     return [*out, self._too_long()]
                 break
             end = newline - 1 if newline > pos and data[newline - 1] == 13 else newline
@@ -524,8 +525,9 @@ class Parser:
             self._rest += data  # the line's first bytes together: _line_limit reads them
         self._have += len(data)
         self.partial = True
-        # Less one byte, as in feed: the line's \r may be here, its \n not yet.
-        if self._have - 1 > MAX_LINE and self._have - 1 > self._line_limit(self._rest, 0):
+        # Less a last \r, as in feed: it may end the line, whose \n has not come yet.
+        held = self._have - data.endswith(b"\r")
+        if held > MAX_LINE and held > self._line_limit(self._rest, 0):
             return [self._too_long()]
         return []
 

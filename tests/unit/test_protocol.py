@@ -223,10 +223,11 @@ def test_too_large_is_discarded_as_it_arrives() -> None:
 
 def test_line_too_long_closes() -> None:
     parser = Parser()
-    # 2049 bytes may still be a line of 2048 and its \r; 2050 cannot.
-    assert parser.feed(b"x" * 2049) == []
+    # 2048 bytes and a \r may still be a line and its end; 2049 bytes cannot.
+    assert parser.feed(b"x" * 2048 + b"\r") == []
     assert parser.feed(b"x") == [Failed(ClientError("line too long"), close=True)]
     assert parser.feed(b"version\r\n") == []
+    assert Parser().feed(b"x" * 2049) == [Failed(ClientError("line too long"), close=True)]
     # The limit is the line's, without its end: \r\n and \n alike.
     for end in (b"\r\n", b"\n"):
         (command,) = Parser().feed(b"x" * 2048 + end)
@@ -255,7 +256,8 @@ def test_long_lines_in_small_reads(step: int) -> None:
     closed = [Failed(ClientError("line too long"), close=True)]
     assert pieces(b"get " + b"k" * 70000) == closed
     assert pieces(b"x" * 2050) == closed
-    assert pieces(b"x" * 2049) == []
+    assert pieces(b"x" * 2049) == closed
+    assert pieces(b"x" * 2048 + b"\r") == []
     assert pieces(b"x" * 2048 + b"\r\n") == [Failed(UnknownCommand())]
     # A set line in pieces, its block after it: held apart, then joined.
     store = b"set " + b"q" * 200 + b" 0 0 2\r\nab\r\n"

@@ -299,10 +299,12 @@ class AerospikeBackend(Backend):
         return opened
 
     async def _dequeue(self, queue: str, kind: type[Op], **fields: Any) -> Message | None:
-        if queue not in self._shards and self._lanes.busy(queue, 0):
-            # A set of this daemon is on its way to a queue it has not seen
-            # (_put sends it to shard 0). Reading the shard count now could find
-            # no queue yet: queued behind the set instead, the get sees it.
+        if queue not in self._shards:
+            # A queue this daemon has not seen: its sets go to shard 0 (_put), so
+            # the get queues there at once, in the order of the commands, rather
+            # than first reading the shard count. Awaiting that read would let
+            # the set and the gets pipelined behind this one reach the lane
+            # first: they would take its message, or this get the set's.
             op = kind(**fields)
             found = await self._lanes.submit(queue, 0, op, self.config.shards_for(queue))
             if found is not None:

@@ -435,6 +435,47 @@ def _resp(*args: bytes) -> bytes:
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
+def test_gets_pipelined_around_a_set_keep_order_on_a_queue_new_to_the_daemon(
+    aerospike_node: Node, tmp_path: Path
+) -> None:
+    """A daemon's first commands on a queue it filled (b, c) before a restart, in
+    one write: each get takes the head in turn, and the set's message comes last."""
+    config = '[storage]\nbackend = "aerospike"\n' + aerospike_node.storage_table(
+        prefix_for(tmp_path)
+    )
+
+    def v(body: bytes, key: bytes = b"@", cas: bytes = b"") -> bytes:
+        return b"VALUE %s 0 1%s\r\n%s\r\nEND\r\n" % (key, cas, body)
+
+    stored, end = b"STORED\r\n", b"END\r\n"
+    pipelines = [
+        (b"get @\r\nset @ 0 0 1\r\nd\r\nget @\r\n", v(b"b") + stored + v(b"c")),
+        (
+            b"get @\r\nget @\r\nget @\r\nset @ 0 0 1\r\nd\r\nget @\r\n",
+            v(b"b") + v(b"c") + end + stored + v(b"d"),
+        ),
+        (b"get @/open\r\nset @ 0 0 1\r\nd\r\nget @\r\n", v(b"b", b"@/open") + stored + v(b"c")),
+        (
+            b"gets @\r\nset @ 0 0 1\r\nd\r\ngets @\r\ngets @\r\n",
+            v(b"b", cas=b" 0") + stored + v(b"c", cas=b" 1") + v(b"d", cas=b" 2"),
+        ),
+    ]
+    with Daemon(tmp_path, "aerospike", config) as d:
+        for i in range(len(pipelines)):
+            fill_request = b"set j%d 0 0 1\r\nb\r\nset j%d 0 0 1\r\nc\r\n" % (i, i)
+            reply = _pipelined(d.port, fill_request, lambda r: r.count(b"STORED") == 2)
+            assert reply == stored * 2
+        d.restart()  # a daemon that has not seen the queues
+        for i, (pipeline, expected) in enumerate(pipelines):
+            q = b"j%d" % i
+            want = expected.replace(b"@", q)
+            assert _pipelined(d.port, pipeline.replace(b"@", q), _at_least(len(want))) == want, i
+
+
+def _at_least(size: int) -> Callable[[bytes], bool]:
+    return lambda reply: len(reply) >= size
+
+
 def test_a_get_pipelined_behind_a_set_sees_it(aerospike_node: Node, tmp_path: Path) -> None:
     """`set q` then `get q` in one write: the get gets what the set was told is STORED,
     on a queue this daemon has not seen yet, on one it has, and on a sharded one
