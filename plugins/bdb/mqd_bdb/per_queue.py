@@ -14,6 +14,7 @@ from typing import Any
 
 from berkeleydb import db
 
+from mqd.errors import StorageError
 from mqd_bdb import jobs
 from mqd_bdb.catalog import CHUNK, QueueState
 from mqd_bdb.config import BdbConfig
@@ -93,13 +94,54 @@ class PerQueueStore(FifoStore):
         return 0
 
     def _remove_orphans(self) -> None:
-        """Files of a queue whose creating batch failed: empty, and in no catalog entry."""
-        known = {q.stem for q in self.queues.values()}
+        """Files of a queue whose creating batch failed: empty, and in no catalog entry.
+
+        A queue file that holds messages is never removed, and a queue the
+        catalog counts messages in must have its file: either means the
+        catalog and the files no longer belong together (one of them deleted
+        or copied in by hand), and the start is refused, naming the file.
+        """
+        known = {q.stem: q for q in self.queues.values()}
+        present = set()
+        orphans = []
         for path in self.data_dir.iterdir():
             stem, dot, suffix = path.name.rpartition(".")
-            queue_file = dot and suffix in ("btree", "hash") and stem[:2] in ("q-", "h-")
-            if queue_file and stem not in known:
-                self.env.dbremove(path.name, None, None, db.DB_AUTO_COMMIT)
+            if not (dot and suffix in ("btree", "hash") and stem[:2] in ("q-", "h-")):
+                continue
+            if stem in known:
+                present.add(path.name)
+            else:
+                if suffix == "btree" and self._holds_records(path.name):
+                    raise StorageError(
+                        f"{path} holds messages, but {self.data_dir / self.catalog_file} "
+                        "names no queue for it (was the catalog removed or replaced?): "
+                        "restore the catalog, or move the file away"
+                    )
+                orphans.append(path.name)
+        for stem, q in known.items():
+            if q.items and stem + ".btree" not in present:
+                raise StorageError(
+                    f"{self.data_dir / (stem + '.btree')} is missing: queue {q.name!r} "
+                    f"has {q.items} message(s) in {self.data_dir / self.catalog_file}; "
+                    "restore the file, or delete the queue's catalog entry by deleting "
+                    "the data directory"
+                )
+        for name in orphans:
+            self.env.dbremove(name, None, None, db.DB_AUTO_COMMIT)
+
+    def _holds_records(self, filename: str) -> bool:
+        handle = db.DB(self.env)
+        try:
+            handle.open(filename, None, db.DB_BTREE, db.DB_RDONLY)
+            cursor = handle.cursor()
+            try:
+                return cursor.first() is not None
+            finally:
+                cursor.close()
+        except db.DBError:
+            return False  # not a database that can be read: nothing to keep in it
+        finally:
+            handle.close()
 
     def delete(self, txn: Any, name: str, arg: None) -> bool:
         q = self.queues.get(name)

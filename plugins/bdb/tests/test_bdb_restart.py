@@ -322,3 +322,44 @@ def test_data_dir_in_use_is_refused(tmp_path: Path) -> None:
 
     session("bdb", tmp_path, body)
     assert os.path.exists(tmp_path / "LOCK")
+
+
+def test_queue_files_without_their_catalog_are_refused_not_removed(tmp_path: Path) -> None:
+    """catalog.db gone: the queue files that hold messages stay, and the start
+    fails naming one; a queue file gone: the start fails naming it."""
+    from bdb_helpers import make
+
+    from mqd.errors import StorageError
+
+    async def fill(b: _BdbBackend) -> None:
+        for i in range(5):
+            await put(b, "kept", b"m%d" % i)
+
+    async def refused() -> None:
+        b = make("bdb", tmp_path)
+        try:
+            with pytest.raises(StorageError) as failed:
+                await b.open()
+        finally:
+            await b.close()
+        raise failed.value
+
+    session("bdb", tmp_path, fill)
+    files = sorted(p.name for p in tmp_path.glob("q-*"))
+    assert len(files) == 2
+    saved = (tmp_path / "catalog.db").read_bytes()
+    (tmp_path / "catalog.db").unlink()
+    with pytest.raises(StorageError, match=r"q-.*\.btree holds messages, but .*catalog\.db"):
+        asyncio.run(refused())
+    assert sorted(p.name for p in tmp_path.glob("q-*")) == files
+    (tmp_path / "catalog.db").write_bytes(saved)
+
+    async def five(b: _BdbBackend) -> None:
+        assert [m.body for m in await drain(b, "kept")] == [b"m%d" % i for i in range(5)]
+
+    session("bdb", tmp_path, five)
+    session("bdb", tmp_path, fill)
+    btree = next(tmp_path.glob("q-*.btree"))
+    btree.unlink()
+    with pytest.raises(StorageError, match=rf"{btree.name} is missing: queue 'kept' has 5"):
+        asyncio.run(refused())
