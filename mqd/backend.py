@@ -276,6 +276,10 @@ class Backend(abc.ABC):
     #: Whether put_now() and take_now() may answer; the broker asks them first
     #: (unless a subclass changed put() or take() alone: asks_now()).
     answers_now: ClassVar[bool] = False
+    #: Whether daemons in other processes use the same storage: two of them with
+    #: one daemon id would each return the other's open messages as their own,
+    #: so the id kept in the data directory is held locked (Config.owner).
+    shared_across_processes: ClassVar[bool] = False
 
     def __init__(self, options: StorageOptions) -> None:
         self.options = options

@@ -48,7 +48,7 @@ from mqd.backend import (
 )
 from mqd.config import Config, QueueSettings
 from mqd.eager import run_together
-from mqd.errors import ClientError, NotSupported, ServerError, UnknownCommand
+from mqd.errors import ClientError, NotSupported, ServerError, StorageError, UnknownCommand
 from mqd.protocol import Key, Retrieve, Store, fanout_parent
 from mqd.stats import Counters
 
@@ -220,7 +220,7 @@ class Broker:
 
     async def start(self) -> None:
         """Open the backend and return the leases this daemon held when it last stopped."""
-        self.backend.owner = self.config.owner()
+        self.backend.owner = self.config.owner(exclusive=self.backend.shared_across_processes)
         await self.backend.open()
         self.backend.listen(self._arrived)
         returned = await self.backend.reclaim(
@@ -665,8 +665,8 @@ class Broker:
             await asyncio.sleep(self.config.reclaim_interval)
             try:
                 await self.reclaim()
-            except Exception:
-                log.exception("reclaiming expired leases failed; trying again later")
+            except Exception as error:
+                _retry_later("reclaiming expired leases", error)
 
     def _spawn_loop(self, coro: Coroutine[Any, Any, None]) -> None:
         self._loops.append(asyncio.ensure_future(coro))
@@ -1126,8 +1126,8 @@ class Broker:
             await asyncio.sleep(IDLE_SWEEP)
             try:
                 await self.expire_idle()
-            except Exception:
-                log.exception("expiring idle queues failed; trying again later")
+            except Exception as error:
+                _retry_later("expiring idle queues", error)
 
     # -- introspection -----------------------------------------------------
 
@@ -1167,6 +1167,15 @@ def _cancel(lease: NamedLease) -> None:
 def _lease_timeout(state: QueueState, lease: NamedLease) -> float:
     """A named lease's visibility timeout in seconds: its own, or its queue's (0: none)."""
     return lease.timeout or state.settings.visibility_timeout
+
+
+def _retry_later(what: str, error: Exception) -> None:
+    """A periodic task failed: the storage's own error in a line (an outage says
+    so each time round), anything else with its traceback."""
+    if isinstance(error, StorageError):
+        log.warning("%s failed: %s; trying again later", what, error)
+    else:
+        log.error("%s failed; trying again later", what, exc_info=error)
 
 
 def _expired(message: Message) -> bool:

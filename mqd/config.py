@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import fnmatch
 import ipaddress
 import logging
 import math
+import os
 import re
 import socket
 import tomllib
@@ -32,6 +34,8 @@ LOOPS = ("asyncio", "uvloop", "auto")
 #: memcached's own bound on an item (its -I): a `<bytes>` the wire can carry.
 MAX_ITEM_SIZE = 1 << 30
 DAEMON_ID_FILE = "daemon-id"  # in data_dir, when [storage] daemon_id is not set
+#: The daemon-id files this process holds locked, for as long as it runs (owner()).
+_HELD_IDS: dict[Path, int] = {}
 
 
 @dataclass(frozen=True)
@@ -124,17 +128,27 @@ class Config:
             extra=self.backend_tables.get(self.backend, {}),
         )
 
-    def owner(self) -> str:
+    def owner(self, exclusive: bool = False) -> str:
         """This daemon's id: the configured one, or one kept in the data directory.
 
         It owns the daemon's leases, so it must survive restarts: a restarting
         daemon returns its own leases from before at once, and only those.
+        `exclusive` (a store that daemons share): the file is held locked for
+        as long as this process runs, so that no other daemon takes the id.
         """
         if self.daemon_id:
             return self.daemon_id
         path = Path(self.data_dir) / DAEMON_ID_FILE
+        if exclusive:
+            _hold(path)
         with contextlib.suppress(FileNotFoundError):
-            known = path.read_text().strip()
+            try:
+                known = path.read_text(encoding="utf-8").strip()
+            except UnicodeDecodeError:
+                raise ConfigError(
+                    f"{path}: not UTF-8 text; it holds this daemon's id: write the id "
+                    "there, or remove the file for a new one"
+                ) from None
             if known:
                 return known
         made = uuid.uuid4().hex
@@ -145,6 +159,27 @@ class Config:
     @property
     def log_level_number(self) -> int:
         return int(getattr(logging, self.log_level.upper()))
+
+
+def _hold(path: Path) -> None:
+    """Lock the daemon-id file, or refuse: two daemons with one id would each take
+    the other's open messages for their own, on a store they share."""
+    if path in _HELD_IDS:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_RDONLY)  # a lock needs no more
+    except FileNotFoundError:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            f"{path}: in use by another daemon; give each daemon its own data "
+            "directory, or its own [storage] daemon_id"
+        ) from None
+    _HELD_IDS[path] = fd
 
 
 _QUEUE_DEFAULTS = QueueSettings()

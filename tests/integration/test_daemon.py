@@ -254,6 +254,26 @@ def test_a_config_that_is_not_utf8_gets_the_same_one_line(tmp_path: Path) -> Non
         )
 
 
+@pytest.mark.parametrize(
+    ("backend", "name", "says"),
+    [
+        ("memory", "daemon-id", "it holds this daemon's id"),
+        ("bdb", "daemon-id", "it holds this daemon's id"),
+        ("bdb", "layout", "it names the backend that wrote this directory"),
+    ],
+)
+def test_a_data_dir_file_that_is_not_utf8_gets_one_line(
+    tmp_path: Path, backend: str, name: str, says: str
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / name).write_bytes(b"\xff\xfe\x00\n")
+    result = mqd("serve", "--backend", backend, "--data-dir", str(data), "--port", "0")
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("Error: ") and f"{data / name}: not UTF-8 text; {says}" in line
+
+
 def test_a_config_that_is_a_directory_gets_the_same_one_line(tmp_path: Path) -> None:
     for command in ("check-config", "serve"):
         result = mqd(command, "--config", str(tmp_path))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -553,3 +554,20 @@ def test_after_a_group_waited_the_next_commands_hold_their_replies_again() -> No
         assert transport.written.endswith(b"VALUE q 0 1\r\nb\r\nEND\r\nEND\r\n")
 
     asyncio.run(main())
+
+
+def test_a_periodic_task_failing_on_its_storage_logs_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An outage makes reclaim fail each time round: a line each, no traceback."""
+    from mqd import broker
+
+    with caplog.at_level(logging.WARNING, logger="mqd.broker"):
+        broker._retry_later("reclaiming expired leases", StorageError("cluster unavailable"))
+        broker._retry_later("expiring idle queues", ValueError("a bug"))
+    outage, bug = caplog.records
+    assert outage.getMessage() == (
+        "reclaiming expired leases failed: cluster unavailable; trying again later"
+    )
+    assert outage.exc_info is None and outage.levelname == "WARNING"
+    assert bug.exc_info is not None and bug.levelname == "ERROR"

@@ -67,6 +67,7 @@ class AerospikeBackend(Backend):
 
     name = "aerospike"
     capabilities = frozenset({Capability.SHARED, Capability.FIFO, Capability.OFFSET})
+    shared_across_processes = True
 
     def __init__(self, options: StorageOptions) -> None:
         super().__init__(options)

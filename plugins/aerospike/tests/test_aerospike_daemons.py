@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -265,3 +266,26 @@ def test_three_daemons_one_killed_one_frozen_lose_and_double_nothing(
             if d.process is not None and d.process.poll() is None:
                 os.kill(d.pid, signal.SIGCONT)
             d.kill()
+
+
+def test_a_second_daemon_on_the_same_data_dir_without_an_id_is_refused(
+    aerospike_node: Node, tmp_path: Path
+) -> None:
+    """Its id, kept in the data directory, would be the first one's: each would
+    take the other's open messages for its own."""
+    config = '[storage]\nbackend = "aerospike"\n' + aerospike_node.storage_table(
+        prefix_for(tmp_path)
+    )
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    with Daemon(tmp_path / "a", "aerospike", config) as first:
+        second = Daemon(tmp_path / "b", "aerospike", config)
+        second.data_dir = first.data_dir
+        done = subprocess.run(second.command(), capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1
+        (line,) = done.stderr.strip().splitlines()
+        assert line.startswith("Error: ") and line.endswith(
+            f"{first.data_dir / 'daemon-id'}: in use by another daemon; give each "
+            "daemon its own data directory, or its own [storage] daemon_id"
+        )
+        assert first.process is not None and first.process.poll() is None

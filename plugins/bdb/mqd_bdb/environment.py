@@ -179,9 +179,14 @@ class Environment:
             return
         marker = self.data_dir / LAYOUT_FILE
         try:
-            found = marker.read_text().strip()
+            found = marker.read_text(encoding="utf-8").strip()
         except FileNotFoundError:
             found = ""
+        except UnicodeDecodeError:
+            raise StorageError(
+                f"{marker}: not UTF-8 text; it names the backend that wrote this "
+                "directory (bdb, bdb-single or bdb-random)"
+            ) from None
         if not found:
             per_queue = (self.data_dir / "catalog.db").exists()
             single_file = (self.data_dir / "queues.db").exists()

@@ -71,6 +71,7 @@ CHECK_S: Final = 1.0  # how often the keeper looks at the cache and the log whil
 TRICKLE_PERCENT: Final = 20  # the keeper writes dirty pages out until this much is clean
 MAX_GATHER_S: Final = 0.002  # the longest a sync waits for more writers, or a round for clients
 MAX_BATCH_BYTES: Final = 8 << 20  # a batch of large messages ends after this many body bytes
+REPEAT_LOG_S: Final = 60.0  # the keeper logs a failure that repeats once in this long
 #: Turns of the loop a round left open during a sync stays open at least once
 #: it has ended, to take in the next command of the clients the sync
 #: answered. Each turn polls the sockets without waiting; one command per
@@ -898,6 +899,7 @@ class Worker:
         last_checkpoint = time.monotonic()
         pending = False  # changes not yet covered by a timed checkpoint
         log_end = None  # where the log ended at the last look
+        failed, failed_logged = "", 0.0  # the last upkeep failure, and when it was logged
         while True:
             with cond:
                 while True:
@@ -945,7 +947,16 @@ class Worker:
             except Exception as exc:
                 # Writing dirty pages out may be what fills the disk first.
                 if not (store.disk_full(exc) and store.space.release()):
-                    log.exception("Berkeley DB upkeep failed")
+                    # Tried again each look: a failure that lasts (a full disk,
+                    # a file-size limit) is logged in full once, then a line a minute.
+                    if str(exc) != failed:
+                        log.exception("Berkeley DB upkeep failed")
+                        failed, failed_logged = str(exc), now
+                    elif now - failed_logged >= REPEAT_LOG_S:
+                        log.error("Berkeley DB upkeep still fails: %s", exc)
+                        failed_logged = now
+            else:
+                failed = ""
             finally:
                 with cond:
                     self._busy = False
