@@ -370,6 +370,8 @@ def reason(code: int, text: str = "") -> str:
         return "aerospike cluster unavailable"
     if code == 13:
         return protocol.TOO_LARGE
+    if code == FILTERED_OUT:  # a write that checks the lock's fence: a newer holder's
+        return f"aerospike: {text or 'write'} refused, another daemon took the queue's lock"
     line = " ".join(text.split()) or "failed"
     return f"aerospike error {code}: {line}"
 
