@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
@@ -28,6 +29,8 @@ LISTENER = "org.apache.spark.sql.util.QueryExecutionListener"
 # others would be removed without ever reaching the caller, so such a query
 # gives every row back (the `limit` option bounds a drain instead).
 PARTIAL = ("Limit", "TakeOrdered", "Sample", "Tail")
+# How long leases are given back only once no task runs (_tasks_ended), at most.
+QUIET_S = 10.0
 
 _committers: dict[int, DrainCommitter] = {}
 
@@ -35,7 +38,8 @@ _committers: dict[int, DrainCommitter] = {}
 class DrainCommitter:
     """Settles the leases of finished queries' drain scans."""
 
-    def __init__(self) -> None:
+    def __init__(self, context: Any) -> None:
+        self.context = context  # the JVM's SparkContext
         # (queue, leases that held messages) of the latest acknowledgements
         self.committed: deque[tuple[str, int]] = deque(maxlen=1000)
 
@@ -57,19 +61,44 @@ class DrainCommitter:
             )
 
     def settle(self, plan: Any, *, succeeded: bool, partial: bool = False) -> None:
-        queues, settled = settle(plan, succeeded=succeeded, partial=partial)
+        queues, settled = settle(
+            plan, succeeded=succeeded, partial=partial, before_giving_back=self._tasks_ended
+        )
         self.committed.extend((queue, settled) for queue in queues)
+
+    def _tasks_ended(self) -> None:
+        """Wait until the executors run no task, or QUIET_S.
+
+        Spark reports a failed query while the tasks it cancelled may still
+        run: one that reserves its lease after the leases were given back
+        would hold those messages until `lease_timeout`. The executors' count
+        of running tasks is all Spark offers here; other jobs' tasks make the
+        wait longer, never longer than QUIET_S.
+        """
+        tracker = self.context.statusTracker()
+        deadline = time.monotonic() + QUIET_S
+        while time.monotonic() < deadline:
+            if not any(e.numRunningTasks() for e in tracker.getExecutorInfos()):
+                return
+            time.sleep(0.02)
 
     class Java:
         implements = [LISTENER]
 
 
-def settle(plan: Any, *, succeeded: bool, partial: bool = False) -> tuple[list[str], int]:
+def settle(
+    plan: Any,
+    *,
+    succeeded: bool,
+    partial: bool = False,
+    before_giving_back: Callable[[], None] = lambda: None,
+) -> tuple[list[str], int]:
     """Settles the leases of the drain scans in a physical plan.
 
     Acknowledged when the query succeeded and kept every row it read (neither
-    `partial` nor a node of PARTIAL in the plan), given back otherwise. The
-    queues acknowledged, and how many leases held messages.
+    `partial` nor a node of PARTIAL in the plan), given back otherwise, after
+    `before_giving_back()`. The queues acknowledged, and how many leases held
+    messages.
     """
     partitions: list[LeasePartition] = []
     for node in _nodes(plan):
@@ -82,6 +111,8 @@ def settle(plan: Any, *, succeeded: bool, partial: bool = False) -> tuple[list[s
     if partial and succeeded:
         log.warning("mqd drain: the query keeps only some rows read; they go back")
     ack = succeeded and not partial
+    if not ack:
+        before_giving_back()
     settled = leases.settle(partitions, ack=ack)
     return (sorted({p.queue for p in partitions}) if ack else []), settled
 
@@ -146,7 +177,7 @@ def install(spark: SparkSession) -> DrainCommitter | None:
     gateway = spark.sparkContext._gateway
     assert gateway is not None
     ensure_callback_server_started(gateway)  # type: ignore[no-untyped-call]
-    committer = DrainCommitter()
+    committer = DrainCommitter(spark.sparkContext._jsc.sc())
     jsession.listenerManager().register(committer)
     _committers[jsession.hashCode()] = committer
     return committer
