@@ -141,21 +141,32 @@ def parse_count(raw: bytes) -> int:
     return value
 
 
+#: A hexadecimal float as strtold reads one: "0x", digits with a point, a binary exponent.
+_HEX_FLOAT = re.compile(
+    rb"[+-]?0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)(?:[pP][+-]?[0-9]+)?"
+)
+#: A number whose digits before its exponent are not all zeros.
+_NONZERO = re.compile(rb"[+-]?(?:0[xX][0.]*[1-9a-fA-F]|[0.]*[1-9])")
+
+
 def parse_timeout(raw: bytes) -> float:
     """A blocking command's timeout in seconds (a float, not negative)."""
     # Python's float() also takes "0_1" and " 1 ", which Redis' strtold does not;
-    # strtold takes a hexadecimal float ("0x1p-3"), which float() does not.
-    if b"_" in raw or raw != raw.strip():
+    # strtold takes a hexadecimal float ("0x1p-3"), which float() does not, and
+    # float.fromhex() also without its "0x" ("a"), which strtold does not.
+    # Redis reads at most 5119 characters.
+    if b"_" in raw or raw != raw.strip() or len(raw) >= 5120:
         raise client_error("timeout")
     try:
         value = float(raw)
     except ValueError:
-        try:
-            value = float.fromhex(raw.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
+        if not _HEX_FLOAT.fullmatch(raw):
             raise client_error("timeout") from None
+        value = float.fromhex(raw.decode("ascii"))
     if math.isnan(value):
         raise client_error("timeout")
+    if value == 0 and _NONZERO.match(raw):
+        value = math.ulp(0.0)  # below a double's range, not nothing: strtold's long double
     if value < 0:
         raise client_error("timeout_negative")
     if value * 1000 >= 2**63:  # Redis keeps a timeout in milliseconds, in 64 bits

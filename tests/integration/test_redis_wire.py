@@ -56,6 +56,9 @@ def test_blocking_pop_times_out_then_is_woken(daemon: Daemon, red: Raw, q: str) 
     start = time.monotonic()
     red.call(request("BRPOP", q, "0x1.4p-2"), b"*-1\r\n")  # hexadecimal, as strtold: 0.3125
     assert time.monotonic() - start >= 0.3
+    start = time.monotonic()
+    red.call(request("BRPOP", q, "1e-400"), b"*-1\r\n")  # not 0 (no timeout) but next to it
+    assert time.monotonic() - start < 1.5  # max_wait = 2 in the test config
     other = Raw(daemon.redis_address)
     timer = threading.Timer(0.2, other.send, [request("LPUSH", q, "late")])
     timer.start()
@@ -193,6 +196,9 @@ def test_info_has_the_stats_figures(red: Raw, q: str) -> None:
         (request("BLMOVE", "q", "r", "LEFT", "RIGHT", "inf"), b"-ERR timeout is out of range"),
         (request("BRPOP", "q", "nan"), b"-ERR timeout is not a float or out of range\r\n"),
         (request("BRPOP", "q", "0x1g"), b"-ERR timeout is not a float or out of range\r\n"),
+        (request("BRPOP", "q", "a"), b"-ERR timeout is not a float or out of range\r\n"),
+        (request("BLPOP", "q", "1p3"), b"-ERR timeout is not a float or out of range\r\n"),
+        (request("BRPOP", "q", "1" * 5120), b"-ERR timeout is not a float or out of range\r\n"),
         (request("SELECT", "x"), b"-ERR value is not an integer or out of range\r\n"),
         (request("SELECT", "-0"), b"-ERR value is not an integer or out of range\r\n"),
         (request("SELECT", "00"), b"-ERR value is not an integer or out of range\r\n"),

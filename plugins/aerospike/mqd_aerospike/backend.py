@@ -210,8 +210,11 @@ class AerospikeBackend(Backend):
             if left <= 0:
                 break
             op = RedriveOp(to=to or "", limit=left)
+            done = await self._lanes.submit(dead, shard, op, shards)
+            if not done:
+                continue  # a shard never written to: nothing there
             moved: list[Moved]
-            moved, expired = await self._lanes.submit(dead, shard, op, shards)
+            moved, expired = done
             await asyncio.gather(*(self._finish_move(dead, m) for m in moved))
             left -= len(moved)
             for m in moved:
@@ -300,6 +303,7 @@ class AerospikeBackend(Backend):
         return opened
 
     async def _dequeue(self, queue: str, kind: type[Op], **fields: Any) -> Message | None:
+        passed = -1  # a shard this get found empty in its turn: what comes later is not its
         if queue not in self._shards:
             # A queue this daemon has not seen: its sets go to shard 0 (_put), so
             # the get queues there at once, in the order of the commands, rather
@@ -313,15 +317,14 @@ class AerospikeBackend(Backend):
             if op.shards == 1:
                 return None
             self._empty[(queue, 0)] = True
+            passed = 0
         shards = await self._shard_count(queue)
         if shards is None:
             return None
-        order = self._order(shards)
-        tried = set()
+        order = [shard for shard in self._order(shards) if shard != passed]
         for shard in order:
             if shards > 1 and self._empty.get((queue, shard)):
                 continue
-            tried.add(shard)
             found = await self._lanes.submit(queue, shard, kind(**fields), shards)
             if found is not None:
                 return found  # type: ignore[no-any-return]

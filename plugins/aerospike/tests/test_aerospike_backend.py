@@ -415,6 +415,17 @@ def test_entry_fenced_off_after_its_commit_is_an_error_and_a_hole(
     run_with(make(aerospike_host, tmp_path), body)
 
 
+def test_redrive_of_a_sharded_queue_some_of_whose_shards_were_never_written(
+    aerospike_host: str, tmp_path: Path
+) -> None:
+    async def body(b: AerospikeBackend) -> None:
+        await fill(b, "dead", 2)  # two of its four shards
+        assert await b.redrive("dead", to="q", limit=5, sync=ALWAYS) == {"q": 2}
+        assert sorted(m.body for m in await drain(b, "q")) == [b"0", b"1"]
+
+    run_with(make(aerospike_host, tmp_path, shards=4), body)
+
+
 def _pipelined(port: int, request: bytes, done: Callable[[bytes], bool]) -> bytes:
     """Send `request` in one write; what came back once `done` says it is all there."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -493,6 +504,12 @@ def test_a_get_pipelined_behind_a_set_sees_it(aerospike_node: Node, tmp_path: Pa
                 assert reply == b"STORED\r\nVALUE %s 0 1\r\nx\r\nEND\r\n" % q, (i, q)
                 for _ in range(2):  # every shard seen empty: the next get may skip them
                     assert _pipelined(d.port, b"get %s\r\n" % q, _ended) == b"END\r\n"
+            # A get before a set, on a sharded queue new to the daemon: not the set's.
+            q = b"sh-new%d" % i
+            request = b"get %s\r\nset %s 0 0 1\r\nx\r\n" % (q, q)
+            assert _pipelined(d.port, request, lambda r: r.endswith(b"STORED\r\n")) == (
+                b"END\r\nSTORED\r\n"
+            ), i
             # RPUSH then LPOP: the pop gets the value (the push's length may count the pop).
             q = b"rnew%d" % i
             request = _resp(b"RPUSH", q, b"x") + _resp(b"LPOP", q)
