@@ -26,7 +26,7 @@ from typing import Any
 from mqd import backend as backends
 from mqd import protocol
 from mqd.backend import StorageOptions, Sync
-from mqd.errors import BackendLoadError, ConfigError
+from mqd.errors import BackendLoadError, ConfigError, StorageError
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OVERFLOW = ("reject", "drop_oldest")
@@ -145,7 +145,7 @@ class Config:
             try:
                 known = path.read_text(encoding="utf-8").strip()
             except UnicodeDecodeError:
-                raise ConfigError(
+                raise StorageError(
                     f"{path}: not UTF-8 text; it holds this daemon's id: write the id "
                     "there, or remove the file for a new one"
                 ) from None
@@ -175,7 +175,7 @@ def _hold(path: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ConfigError(
+        raise StorageError(
             f"{path}: in use by another daemon; give each daemon its own data "
             "directory, or its own [storage] daemon_id"
         ) from None

@@ -283,9 +283,8 @@ def test_a_second_daemon_on_the_same_data_dir_without_an_id_is_refused(
         second.data_dir = first.data_dir
         done = subprocess.run(second.command(), capture_output=True, text=True, timeout=60)
         assert done.returncode == 1
-        (line,) = done.stderr.strip().splitlines()
-        assert line.startswith("Error: ") and line.endswith(
-            f"{first.data_dir / 'daemon-id'}: in use by another daemon; give each "
+        assert done.stderr.strip() == (
+            f"Error: {first.data_dir / 'daemon-id'}: in use by another daemon; give each "
             "daemon its own data directory, or its own [storage] daemon_id"
         )
         assert first.process is not None and first.process.poll() is None
