@@ -148,6 +148,11 @@ class PerQueueStore(FifoStore):
         if q is None:
             return False
         self._touch(q)
+        if q.mdb is None:
+            # Opened first: after crash recovery, a transactional remove of a
+            # file no handle of this run has opened could fail on a log file
+            # that is gone (ENOENT), until the queue was read once.
+            self._attach(q)
         self._detach(q)
         self.env.dbremove(q.stem + ".btree", None, txn)
         self.env.dbremove(q.stem + ".hash", None, txn)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from bdb_helpers import FIFO_NAMES, NAMES
+from pymemcache.client.base import Client
+from pymemcache.exceptions import MemcacheServerError, MemcacheUnexpectedCloseError
 
 from mqd.testing.daemon import Daemon
 from mqd.testing.raw import Raw
@@ -86,3 +90,57 @@ def test_a_many_key_get_takes_nothing_more_once_its_client_is_gone(tmp_path: Pat
             time.sleep(0.3)
             before, left = left, items()
     assert left == before and left >= count - 10 * 32, (before, left)
+
+
+def test_queues_made_and_deleted_across_crashes_can_still_be_deleted(tmp_path: Path) -> None:
+    """Queues made, deleted, flushed and expired while the daemon is killed again
+    and again: afterwards `flush_all` deletes every queue. (A transactional remove
+    of a file no handle of the run had opened could fail with ENOENT, on a log
+    file removed since, until the queue was read once.)"""
+    config = '[queues."*"]\nsync = "none"\n[queues."idle*"]\nidle_expiry = 1\n'
+    rnd = random.Random(24337)
+    errors: list[str] = []
+
+    def load(address: tuple[str, int], until: float, seed: int) -> None:
+        pick = random.Random(seed)
+        client = Client(address, timeout=5)
+        while time.monotonic() < until:
+            n, k = pick.randint(0, 3000), pick.random()
+            try:
+                if k < 0.4:
+                    client.set(f"q{n}", b"abc", noreply=False)
+                elif k < 0.55:
+                    client.delete(f"q{n}", noreply=False)
+                elif k < 0.65:
+                    client.set(f"idle{n}", b"z", noreply=False)
+                    client.get(f"idle{n}")
+                elif k < 0.7:
+                    client.set("jobs", b"j", noreply=False)
+                elif k < 0.75:
+                    client.get(f"jobs+c{n % 50}")
+                elif k < 0.755:
+                    client.flush_all(noreply=False)
+                else:
+                    client.get(f"q{n}")
+            except (OSError, MemcacheUnexpectedCloseError):
+                return  # killed (a MemcacheServerError too: before it)
+            except MemcacheServerError as error:
+                errors.append(str(error))
+
+    with Daemon(tmp_path, backend="bdb", config_text=config) as daemon:
+        for round_ in range(6):
+            until = time.monotonic() + rnd.uniform(1.0, 3.0)
+            loads = [
+                threading.Thread(target=load, args=(daemon.address, until + 10, round_ * 10 + i))
+                for i in range(6)
+            ]
+            for thread in loads:
+                thread.start()
+            time.sleep(until - time.monotonic())
+            daemon.kill()
+            for thread in loads:
+                thread.join()
+            daemon.start()
+        Raw(daemon.address).call(b"flush_all\r\n", b"OK\r\n")
+        assert errors == []
+        assert "No such file" not in daemon.log()
