@@ -7,6 +7,7 @@ are closed beyond `max_open_queues`.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
@@ -22,6 +23,8 @@ from mqd_bdb.fifo import FifoStore
 from mqd_bdb.names import file_stem
 from mqd_bdb.records import CAT_RESERVED, delete_range
 from mqd_bdb.store import COMPACT_MIN_BYTES
+
+log = logging.getLogger("mqd.bdb")
 
 
 class PerQueueStore(FifoStore):
@@ -96,10 +99,15 @@ class PerQueueStore(FifoStore):
     def _remove_orphans(self) -> None:
         """Files of a queue whose creating batch failed: empty, and in no catalog entry.
 
-        A queue file that holds messages is never removed, and a queue the
-        catalog counts messages in must have its file: either means the
-        catalog and the files no longer belong together (one of them deleted
-        or copied in by hand), and the start is refused, naming the file.
+        A queue file that holds messages is never removed: no catalog entry
+        naming it means the catalog was removed or replaced by hand, and the
+        start is refused, naming the file. A queue the catalog counts messages
+        in whose B-tree file is gone was being deleted when the daemon died:
+        Berkeley DB removes a file as its delete commits, before the commit is
+        synced, so recovery can bring the catalog entry back without the file.
+        That delete is finished here, with a warning naming the file: the
+        files already show it done, and a delete not yet answered may have
+        taken effect or not, as its client sees it.
         """
         known = {q.stem: q for q in self.queues.values()}
         present = set()
@@ -120,14 +128,31 @@ class PerQueueStore(FifoStore):
                 orphans.append(path.name)
         for stem, q in known.items():
             if q.items and stem + ".btree" not in present:
-                raise StorageError(
-                    f"{self.data_dir / (stem + '.btree')} is missing: queue {q.name!r} "
-                    f"has {q.items} message(s) in {self.data_dir / self.catalog_file}; "
-                    "restore the file, or delete the queue's catalog entry by deleting "
-                    "the data directory"
-                )
+                self._finish_delete(q, stem + ".hash" in present)
         for name in orphans:
             self.env.dbremove(name, None, None, db.DB_AUTO_COMMIT)
+
+    def _finish_delete(self, q: QueueState, hashed: bool) -> None:
+        log.warning(
+            "%s is missing: queue %r (%d message(s) in %s) was being deleted when the "
+            "daemon stopped; its delete is finished now",
+            self.data_dir / (q.stem + ".btree"),
+            q.name,
+            q.items,
+            self.catalog_file,
+        )
+        txn = self.env.txn_begin()
+        try:
+            if hashed:
+                self.env.dbremove(q.stem + ".hash", None, txn)
+            while delete_range(self.cat, txn, CAT_RESERVED + q.qkey, CHUNK):
+                pass
+            self._drop_catalog_entry(txn, q)
+        except BaseException:
+            txn.abort()
+            raise
+        txn.commit()
+        self._unregister(q.name)
 
     def _holds_records(self, filename: str) -> bool:
         handle = db.DB(self.env)
