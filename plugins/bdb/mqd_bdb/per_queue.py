@@ -102,12 +102,12 @@ class PerQueueStore(FifoStore):
         A queue file that holds messages is never removed: no catalog entry
         naming it means the catalog was removed or replaced by hand, and the
         start is refused, naming the file. A queue the catalog counts messages
-        in whose B-tree file is gone was being deleted when the daemon died:
-        Berkeley DB removes a file as its delete commits, before the commit is
-        synced, so recovery can bring the catalog entry back without the file.
-        That delete is finished here, with a warning naming the file: the
-        files already show it done, and a delete not yet answered may have
-        taken effect or not, as its client sees it.
+        in whose B-tree file is gone was being deleted when the daemon died: a
+        delete that a kill cuts off can leave the file removed while recovery
+        brings the catalog entry back (seen under kill -9 while clients delete
+        and make queues). That delete is finished here, with a warning naming
+        the file: the files already show it done, and a delete not yet
+        answered may have taken effect or not, as its client sees it.
         """
         known = {q.stem: q for q in self.queues.values()}
         present = set()
