@@ -167,19 +167,26 @@ def _hold(path: Path) -> None:
     if path in _HELD_IDS:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
+    _HELD_IDS[path] = lock_exclusive(
+        path,
+        f"{path}: in use by another daemon; give each daemon its own data "
+        "directory, or its own [storage] daemon_id",
+    )
+
+
+def lock_exclusive(path: Path, refusal: str) -> int:
+    """An exclusive lock on `path` (made if missing), held while the returned
+    descriptor stays open; StorageError(refusal) if another process holds it."""
     try:
         fd = os.open(path, os.O_RDONLY)  # a lock needs no more
     except FileNotFoundError:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise StorageError(
-            f"{path}: in use by another daemon; give each daemon its own data "
-            "directory, or its own [storage] daemon_id"
-        ) from None
-    _HELD_IDS[path] = fd
+        raise StorageError(refusal) from None
+    return fd
 
 
 _QUEUE_DEFAULTS = QueueSettings()

@@ -7,7 +7,6 @@ DB_THREAD), never a database handle, which stay on the worker thread.
 
 from __future__ import annotations
 
-import fcntl
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any, ClassVar
 
 from berkeleydb import db
 
-from mqd.config import DAEMON_ID_FILE
+from mqd.config import DAEMON_ID_FILE, lock_exclusive
 from mqd.errors import StorageError
 from mqd_bdb.config import BdbConfig
 from mqd_bdb.errors import storage_error
@@ -157,15 +156,9 @@ class Environment:
         self.panicked = False
 
     def _lock(self) -> None:
-        fd = os.open(self.data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StorageError(
-                f"data directory {self.data_dir} is in use by another process"
-            ) from None
-        self._lock_fd = fd
+        self._lock_fd = lock_exclusive(
+            self.data_dir / "LOCK", f"data directory {self.data_dir} is in use by another process"
+        )
 
     def _check_layout(self) -> None:
         """Refuse a data directory that another layout's backend wrote; mark a new one.
